@@ -1,0 +1,38 @@
+# flatlm: `make demo` and `make test` work on a fresh machine with only Python 3.11.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+WORKERS ?= 2
+
+.PHONY: demo test test-all bench lint clean install
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) setup.cfg pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m ipykernel install --user --name flatlm --display-name flatlm >/dev/null 2>&1 || true
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/flatlm demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n $(WORKERS) -m "not slow" --durations=15
+
+test-all: $(STAMP)
+	$(PY) -m pytest -n $(WORKERS) --durations=25
+
+bench: $(STAMP)
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

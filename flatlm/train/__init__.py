@@ -1,0 +1,1 @@
+"""Training: objectives, optimizers, train state, the jitted step and the loop."""

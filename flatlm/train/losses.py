@@ -1,0 +1,32 @@
+"""Pure objectives. Every loss takes the parameter pytree first: `loss(params, batch, ...) -> scalar`.
+
+An MLM batch is a dict of arrays:
+  tokens  int32[B, T]   model input (masked positions replaced by the mask id / a random word / kept)
+  targets int32[B, T]   the original words (0..V-1; pad positions hold the pad id)
+  weights float32[B, T] 1.0 at positions whose prediction counts, else 0.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+ApplyFn = Callable[..., jax.Array]  # apply_fn({"params": params}, tokens, deterministic=..., rngs=...) -> logits
+
+
+def masked_cross_entropy(logits_BTV, targets_BT, weights_BT):
+    """Sum over weighted positions of -log softmax(logits)[target], and the weight sum (nats)."""
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    safe_BT = jnp.where(weights_BT > 0, targets_BT, 0)
+    nll_BT = -jnp.take_along_axis(logp_BTV, safe_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
+
+
+def mlm_loss(params, batch, apply_fn: ApplyFn, dropout_key=None):
+    """Mean cross-entropy (nats) over the batch's weighted positions. Dropout is on iff a key is given."""
+    rngs = {} if dropout_key is None else {"dropout": dropout_key}
+    logits = apply_fn({"params": params}, batch["tokens"], deterministic=dropout_key is None, rngs=rngs)
+    total, count = masked_cross_entropy(logits, batch["targets"], batch["weights"])
+    return total / jnp.maximum(count, 1.0)
