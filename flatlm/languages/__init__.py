@@ -7,3 +7,26 @@ Every language has `vocab_size` (words are ids 0..V-1), `max_length`, `sample(n,
 from flatlm.languages.base import Corpus, Language, special_ids
 
 __all__ = ["Corpus", "Language", "special_ids"]
+
+
+def make_language(spec):
+    """Build the language a config's `language` section names (deterministic in its seed)."""
+    from flatlm.errors import UserError
+
+    name = spec["name"]
+    if name == "hmm":
+        from flatlm.languages import hmm
+
+        return hmm.random_hmm(
+            spec["seed"], num_states=spec["num_states"], vocab_size=spec["vocab_size"],
+            length=spec["length"], num_blocks=spec["num_blocks"],
+        )
+    if name == "pcfg":
+        from flatlm.languages import pcfg
+
+        if spec.get("rules_file"):
+            if not __import__("os").path.isfile(spec["rules_file"]):
+                raise UserError(f"language.rules_file {spec['rules_file']!r} not found; give a path to a rules file")
+            return pcfg.PCFG.from_rules_file(spec["rules_file"])
+        return pcfg.random_grammar(spec["seed"])
+    raise UserError(f"language {name!r} cannot be trained on yet; use hmm or pcfg")

@@ -1,0 +1,34 @@
+"""MLM pre-training on the paper's HMM language (100 states, 200 words, length 16).
+
+Presets: `tiny` (CPU, seconds), `demo` (CPU, a few minutes), `paper` (the paper's scale).
+Usage: flatlm train --config configs/hmm_mlm.py:tiny --workdir /tmp/run [--config.train.steps=200]
+"""
+
+from flatlm.config import base_config, presets
+
+
+def get_config(arg: str = "tiny"):
+    c = base_config()
+    c.language.name = "hmm"
+    preset = presets(
+        {
+            "tiny": dict(states=12, words=20, length=8, blocks=3, train=2_000, eval=200, batch=64,
+                         d=64, layers=1, steps=60, lr=3e-3, eval_every=30, ckpt=30),
+            "demo": dict(states=32, words=50, length=12, blocks=4, train=20_000, eval=500, batch=128,
+                         d=128, layers=2, steps=1500, lr=2e-3, eval_every=250, ckpt=250),
+            "paper": dict(states=100, words=200, length=16, blocks=10, train=4_000_000, eval=10_000,
+                          batch=4096, d=768, layers=12, steps=30_000, lr=1e-3, eval_every=1000, ckpt=1000),
+        },
+        arg, __file__,
+    )
+    c.language.update(num_states=preset["states"], vocab_size=preset["words"], length=preset["length"],
+                      num_blocks=preset["blocks"])
+    c.data.update(train_size=preset["train"], eval_size=preset["eval"], batch_size=preset["batch"])
+    c.model.update(d_model=preset["d"], num_layers=preset["layers"])
+    c.train.update(steps=preset["steps"], lr=preset["lr"], eval_every=preset["eval_every"],
+                   log_every=min(50, preset["eval_every"]))
+    c.checkpoint.every = preset["ckpt"]
+    if arg == "paper":
+        c.train.warmup_frac = 0.06
+        c.eval.batch_size = 512
+    return c

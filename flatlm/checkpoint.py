@@ -1,0 +1,65 @@
+"""Checkpoints with orbax: atomic step folders, keep-N plus pinned steps, the data iterator saved with the model.
+
+Layout: `<workdir>/checkpoints/<step>/{state,data}`. `state` is the train state pytree
+({"step", "params", "opt_state"}), `data` the grain iterator position (absent for evaluation-only loads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: str, keep: int = 3, pinned_steps=(), read_only: bool = False) -> ocp.CheckpointManager:
+    policies = [ocp.checkpoint_managers.LatestN(keep)]
+    if pinned_steps:
+        policies.append(ocp.checkpoint_managers.CustomSteps(list(pinned_steps)))
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        read_only=read_only,
+        create=not read_only,
+        enable_async_checkpointing=False,  # a step folder is committed (renamed) before training goes on
+    )
+    return ocp.CheckpointManager(
+        Path(workdir, "checkpoints").absolute(), options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
+    )
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, force: bool = True) -> None:
+    items = {"state": ocp.args.StandardSave(state)}
+    if data_iterator is not None:
+        items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    mngr.save(step, args=ocp.args.Composite(**items), force=force)
+    mngr.wait_until_finished()
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterator=None):
+    """Restore `state` with the shardings of `abstract_state` (ShapeDtypeStructs); and the iterator in place."""
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if data_iterator is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    return restored["state"]
+
+
+def restore_params(workdir: str, step: int, abstract_params):
+    """Only the parameters of a checkpoint (for evaluators), placed as `abstract_params` asks."""
+    mngr = manager(workdir, read_only=True)
+    meta = mngr.item_metadata(step)["state"]
+    abstract = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+        meta, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+    )
+    abstract["params"] = abstract_params
+    items = {"state": ocp.args.StandardRestore(abstract)}
+    return mngr.restore(step, args=ocp.args.Composite(**items))["state"]["params"]
+
+
+def all_steps(workdir: str) -> list[int]:
+    if not Path(workdir, "checkpoints").exists():
+        return []
+    return sorted(manager(workdir, read_only=True).all_steps())

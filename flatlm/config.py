@@ -1,0 +1,286 @@
+"""Configs as code: the base schema, loading `FILE[:ARG]`, `--config.a.b=v` overrides and validation.
+
+Every `configs/*.py` starts from `base_config()` and changes what its experiment needs, so every run carries
+the same fields. A workdir stores the resolved config as `config.json`, which `load_workdir_config` reads back.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import ml_collections
+
+from flatlm.errors import UserError
+
+LANGUAGES = ("hmm", "pcfg", "opt", "dyck")
+MODELS = ("bert", "lstm")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("linear", "constant", "cosine")
+MASKINGS = ("single", "bert")
+PARALLELISM = ("dp", "fsdp", "tp")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All fields a run has, with the paper's defaults where the paper gives one."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.language = ml_collections.ConfigDict(
+        dict(
+            name="hmm",
+            seed=0,
+            # HMM
+            num_states=100, vocab_size=200, length=16, num_blocks=10,
+            # PCFG: rules_file ("" -> random_grammar(seed) of the released shape)
+            rules_file="",
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="tfds",  # "tfds": materialise splits once; "stream": sample on the fly (deterministic)
+            data_dir="",  # "" -> <workdir>/data
+            train_size=100_000,
+            eval_size=2_000,  # validation sentences, stored with exact conditionals
+            masking="single",  # "single": one masked position per sentence (paper); "bert": 15% / 80-10-10
+            mask_prob=0.15,
+            max_predictions=5,
+            batch_size=256,  # global batch (all processes)
+            num_workers=0,
+        )
+    )
+    c.model = ml_collections.ConfigDict(
+        dict(
+            kind="bert",
+            shape="",  # a Table 3 name (flatlm.models.TABLE3) overrides num_layers/d_model
+            d_model=128, num_layers=2, num_heads=0, d_ff=0,
+            ln_mode="pre", dropout=0.1, attention_dropout=0.1, gelu_approximate=True,
+            d_hidden=128,  # LSTM
+            dtype="float32", param_dtype="float32",
+        )
+    )
+    c.train = ml_collections.ConfigDict(
+        dict(
+            steps=1000,
+            optimizer="adamw",
+            lr=5e-4,
+            b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01,
+            momentum=0.0,  # SGD
+            schedule="linear",  # warmup then linear decay to 0 ("constant": constant after warmup)
+            warmup_frac=0.06,
+            grad_clip=0.0,  # 0 -> off
+            log_every=50,
+            eval_every=250,
+        )
+    )
+    c.eval = ml_collections.ConfigDict(dict(num_subsets=5, batch_size=128))
+    c.mesh = ml_collections.ConfigDict(
+        dict(data=-1, model=1, parallelism="dp", multihost=False)  # -1: all remaining devices
+    )
+    c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3, steps=()))  # steps: also kept forever
+    return c
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """`path/to/file.py[:arg]` -> `get_config(arg)`. User mistakes raise UserError."""
+    path, _, arg = spec.partition(":")
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise UserError(f"config file {path!r} not found; pass --config configs/NAME.py[:PRESET]")
+    module_spec = importlib.util.spec_from_file_location(f"flatlm_config_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise UserError(f"{path} has no get_config(arg) function")
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except KeyError as e:  # presets are looked up in a dict
+        raise UserError(f"{path}: unknown preset {arg!r}; {e.args[0] if e.args else ''}".rstrip("; ")) from None
+    config.config_spec = spec
+    return config
+
+
+def presets(table: dict, arg: str, path: str):
+    """Look up a preset by name with an error that lists the choices."""
+    name = arg or "tiny"
+    if name not in table:
+        raise UserError(f"{path}: unknown preset {name!r}; choose one of: {', '.join(table)}")
+    return table[name]
+
+
+def _parse_value(text: str, current):
+    if isinstance(current, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if isinstance(current, bool) and isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(current, tuple) and isinstance(value, list | int):
+        value = tuple(value) if isinstance(value, list) else (value,)
+    return value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> ml_collections.ConfigDict:
+    """Apply `--config.a.b=value` (or `a.b=value`) overrides in the absl style, type-checked."""
+    for item in overrides:
+        key, eq, text = item.removeprefix("--").removeprefix("config.").partition("=")
+        if not eq:
+            raise UserError(f"override {item!r} has no value; write --config.{key}=VALUE")
+        *parents, leaf = key.split(".")
+        node = config
+        for i, part in enumerate(parents):
+            if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+                raise UserError(f"unknown config section {'.'.join(parents[: i + 1])!r}{_suggest(part, node)}")
+            node = node[part]
+        if leaf not in node:
+            raise UserError(f"unknown config field {key!r}{_suggest(leaf, node)}")
+        value = _parse_value(text, node[leaf])
+        try:
+            node[leaf] = value
+        except TypeError:
+            raise UserError(
+                f"config field {key!r} expects {type(node[leaf]).__name__}, got {text!r}"
+            ) from None
+    return config
+
+
+def _suggest(name: str, node) -> str:
+    close = difflib.get_close_matches(name, list(node.keys()), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(node.keys())}"
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _choice(value, choices, field):
+    if value not in choices:
+        raise UserError(f"config.{field}={value!r} is not one of {', '.join(choices)}; set --config.{field}=...")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Check a config before anything runs; one line naming the field and the fix on failure."""
+    _choice(config.language.name, LANGUAGES, "language.name")
+    _choice(config.model.kind, MODELS, "model.kind")
+    _choice(config.train.optimizer, OPTIMIZERS, "train.optimizer")
+    _choice(config.train.schedule, SCHEDULES, "train.schedule")
+    _choice(config.data.masking, MASKINGS, "data.masking")
+    _choice(config.data.source, ("tfds", "stream"), "data.source")
+    _choice(config.mesh.parallelism, PARALLELISM, "mesh.parallelism")
+    _choice(config.model.ln_mode, ("pre", "post"), "model.ln_mode")
+    for field in ("train.steps", "data.batch_size", "train.log_every", "train.eval_every", "checkpoint.every",
+                  "checkpoint.keep", "data.eval_size", "data.train_size"):
+        section, name = field.split(".")
+        if config[section][name] <= 0:
+            raise UserError(f"config.{field} must be positive, got {config[section][name]}")
+    if not config.train.lr > 0:
+        raise UserError(f"config.train.lr must be positive, got {config.train.lr}")
+    if not 0 <= config.train.warmup_frac < 1:
+        raise UserError(f"config.train.warmup_frac must be in [0, 1), got {config.train.warmup_frac}")
+    if not 0 < config.data.mask_prob <= 1:
+        raise UserError(f"config.data.mask_prob must be in (0, 1], got {config.data.mask_prob}")
+    if config.model.shape:
+        from flatlm.models.bert import TABLE3
+
+        if config.model.shape not in TABLE3:
+            raise UserError(f"config.model.shape={config.model.shape!r} is unknown; choose one of {', '.join(TABLE3)}")
+    if config.model.kind == "bert":
+        d, heads = _bert_dims(config)
+        if d % heads:
+            raise UserError(f"config.model.d_model={d} is not divisible by num_heads={heads}")
+    if num_devices is not None:
+        data, model = mesh_shape(config, num_devices)
+        if data * model > num_devices:
+            raise UserError(
+                f"mesh {data}x{model} needs {data * model} devices but only {num_devices} are available; "
+                "lower --config.mesh.data / --config.mesh.model"
+            )
+        if config.data.batch_size % data:
+            raise UserError(
+                f"config.data.batch_size={config.data.batch_size} is not divisible by the data axis ({data}); "
+                f"use a multiple of {data}"
+            )
+
+
+def _bert_dims(config) -> tuple[int, int]:
+    from flatlm.models.bert import TABLE3
+
+    d = TABLE3[config.model.shape][1] if config.model.shape else config.model.d_model
+    return d, config.model.num_heads or max(1, d // 64)
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, int]:
+    """(data, model) sizes; -1 on one axis takes the remaining devices."""
+    data, model = int(config.mesh.data), int(config.mesh.model)
+    if model <= 0 and data <= 0:
+        raise UserError("config.mesh.data and config.mesh.model cannot both be -1")
+    if model <= 0:
+        model = max(1, num_devices // data)
+    if data <= 0:
+        data = max(1, num_devices // model)
+    return data, model
+
+
+# ---------------------------------------------------------------- workdir
+
+
+def save_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Write `config.json` atomically; refuse to mix a different config into an existing run."""
+    path = Path(workdir) / "config.json"
+    text = config.to_json_best_effort(indent=2, sort_keys=True)
+    if path.exists():
+        old = json.loads(path.read_text())
+        new = json.loads(text)
+        old.pop("config_spec", None)
+        new.pop("config_spec", None)
+        if old != new:
+            diff = [k for k in _flat(new) if _flat(new).get(k) != _flat(old).get(k)]
+            raise UserError(
+                f"{workdir} already holds a run with a different config (fields {', '.join(diff[:5])}); "
+                "use a new --workdir or the same config"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+    path = Path(workdir) / "config.json"
+    if not path.exists():
+        raise UserError(f"{workdir} is not a flatlm run (no config.json); pass the --workdir of a `flatlm train`")
+    data = json.loads(path.read_text())
+    base = base_config()
+    base.config_spec = ""
+    _merge(base, data)
+    return base
+
+
+def _merge(node, data):
+    for k, v in data.items():
+        if isinstance(v, dict) and k in node and isinstance(node[k], ml_collections.ConfigDict):
+            _merge(node[k], v)
+        elif k in node and isinstance(node[k], tuple) and isinstance(v, list):
+            node[k] = tuple(v)
+        else:
+            with node.ignore_type():
+                node[k] = v

@@ -1,0 +1,1 @@
+"""Corpora (tfds array_record builders) and grain input pipelines: masking, batching, host sharding."""

@@ -1,0 +1,119 @@
+"""A tensorflow-datasets builder (array_record, no TensorFlow) that materialises a language's corpus.
+
+Splits: `train` (tokens, length) and `validation` (tokens, length, exact conditionals q[T, V] with
+q[t, w] = P(x_t = w | x_-t)); latent variables the language exposes as int arrays of shape [T] (e.g. HMM
+states) are stored too. A corpus is identified by a hash of (language spec, sizes, seed), so two runs
+with the same language share one copy, and a half-written build is never visible (tfds writes into
+`incomplete.*` and renames at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from flatlm.languages import make_language
+
+CHUNK = 1024  # sentences sampled (and conditioned) at a time while writing
+
+
+@dataclasses.dataclass
+class CorpusConfig(tfds.core.BuilderConfig):
+    """`spec`: the language section of a config as JSON; sizes in sentences."""
+
+    spec: str = "{}"
+    train_size: int = 0
+    eval_size: int = 0
+    seed: int = 0
+
+
+def corpus_config(language_spec: dict, train_size: int, eval_size: int, seed: int) -> CorpusConfig:
+    payload = json.dumps(
+        {"spec": language_spec, "train": train_size, "eval": eval_size, "seed": seed}, sort_keys=True
+    )
+    name = f"{language_spec['name']}_{hashlib.sha1(payload.encode()).hexdigest()[:12]}"
+    return CorpusConfig(
+        name=name, description=payload, spec=json.dumps(language_spec, sort_keys=True),
+        train_size=train_size, eval_size=eval_size, seed=seed,
+    )
+
+
+class FlatlmCorpus(tfds.core.GeneratorBasedBuilder):
+    """Sentences sampled from a flatlm language; validation carries the exact MLM conditionals."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "First release."}
+
+    @property
+    def language(self):
+        if not hasattr(self, "_language"):
+            self._language = make_language(json.loads(self.builder_config.spec))
+        return self._language
+
+    def _latent_names(self) -> list[str]:
+        probe = self.language.sample(2, seed=0)
+        return sorted(k for k, v in probe.latents.items()
+                      if isinstance(v, np.ndarray) and v.shape == probe.tokens.shape)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        lang = self.language
+        T, V = lang.max_length, lang.vocab_size
+        features = {
+            "tokens": tfds.features.Tensor(shape=(T,), dtype=np.int32),
+            "length": tfds.features.Scalar(dtype=np.int32),
+            "conditionals": tfds.features.Tensor(shape=(None, V), dtype=np.float32),
+        }
+        for name in self._latent_names():
+            features[f"latent_{name}"] = tfds.features.Tensor(shape=(T,), dtype=np.int32)
+        return tfds.core.DatasetInfo(
+            builder=self, description=self.builder_config.description,
+            features=tfds.features.FeaturesDict(features),
+        )
+
+    def _split_generators(self, dl_manager):
+        c = self.builder_config
+        splits = {"validation": self._generate_examples(c.eval_size, c.seed * 2 + 2, with_conditionals=True)}
+        if c.train_size:  # 0 for streamed training data: only the validation split is stored
+            splits["train"] = self._generate_examples(c.train_size, c.seed * 2 + 1, with_conditionals=False)
+        return splits
+
+    def _generate_examples(self, n: int, seed: int, with_conditionals: bool):
+        lang, latents = self.language, self._latent_names()
+        T, V = lang.max_length, lang.vocab_size
+        empty = np.zeros((0, V), np.float32)
+        for start in range(0, n, CHUNK):
+            size = min(CHUNK, n - start)
+            corpus = lang.sample(size, seed=seed * 1_000_003 + start // CHUNK)
+            q = np.asarray(lang.conditionals(corpus.tokens, corpus.lengths), np.float32) if with_conditionals else None
+            for i in range(size):
+                ex = {"tokens": corpus.tokens[i].astype(np.int32), "length": np.int32(corpus.lengths[i]),
+                      "conditionals": q[i] if q is not None else empty}
+                for name in latents:
+                    ex[f"latent_{name}"] = np.asarray(corpus.latents[name][i], np.int32)
+                assert ex["tokens"].shape == (T,)
+                yield start + i, ex
+
+
+def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, seed: int,
+          quiet: bool = False) -> FlatlmCorpus:
+    """Materialise the corpus in `data_dir` (no-op if it is already there). Returns the builder."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    builder = FlatlmCorpus(
+        data_dir=os.fspath(data_dir), config=corpus_config(dict(language_spec), train_size, eval_size, seed),
+        file_format="array_record",
+    )
+    if quiet:
+        tfds.disable_progress_bar()
+    builder.download_and_prepare()
+    return builder
+
+
+def data_sources(builder: FlatlmCorpus) -> dict:
+    """Random-access sources per split (ArrayRecordDataSource)."""
+    return builder.as_data_source()

@@ -1,0 +1,81 @@
+"""Exact pre-training loss against the language's true conditionals.
+
+For every sentence x and every position t < len(x), mask x_t and compare the model's prediction p(. | x_-t)
+with the true conditional q(. | x_-t):  loss = E_{x,t}[ -sum_w q(w) log p(w) ] = entropy + KL(q || p),
+in nats per masked position. This is the population MLM loss for single-position masking, so a model that
+outputs q exactly has loss = entropy and KL = 0. The std is over `num_subsets` disjoint subsets of the
+sentences (as in the paper).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatlm.languages.base import special_ids
+from flatlm.models import logits_at
+
+
+def position_terms(logp_BTV, q_BTV, lengths_B):
+    """Per-sentence sums over valid positions of cross-entropy and entropy (nats), and the position count."""
+    T = q_BTV.shape[1]
+    valid_BT = (jnp.arange(T)[None, :] < lengths_B[:, None]).astype(logp_BTV.dtype)
+    ce_BT = -jnp.sum(jnp.where(q_BTV > 0, q_BTV * logp_BTV, 0.0), axis=-1)
+    ent_BT = -jnp.sum(jnp.where(q_BTV > 0, q_BTV * jnp.log(jnp.where(q_BTV > 0, q_BTV, 1.0)), 0.0), axis=-1)
+    return (ce_BT * valid_BT).sum(1), (ent_BT * valid_BT).sum(1), valid_BT.sum(1)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _sentence_terms(model, params, tokens_BT, lengths_B, q_BTV):
+    B, T = tokens_BT.shape
+    mask = special_ids(model.cfg.num_words).mask
+    eye_TT = jnp.eye(T, dtype=bool)
+    copies_BTT = jnp.where(eye_TT[None], mask, tokens_BT[:, None, :])  # copy t has position t masked
+    pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    logits_NV = logits_at(model, params, copies_BTT.reshape(B * T, T), pos_BT.reshape(-1))
+    logp_BTV = jax.nn.log_softmax(logits_NV.astype(jnp.float32), axis=-1).reshape(B, T, -1)
+    return position_terms(logp_BTV, q_BTV.astype(jnp.float32), lengths_B)
+
+
+def exact_loss(model, params, batches, num_subsets: int = 5, pad_to: int | None = None) -> dict:
+    """Exact loss over an iterable of validation batches {tokens, length, conditionals}.
+
+    Returns loss, entropy, kl, log_kl (natural log of the KL), loss_std / kl_std over subsets, num_sentences.
+    Batches shorter than `pad_to` are padded with empty sentences so the computation compiles once.
+    """
+    ce, ent, cnt = [], [], []
+    for batch in batches:
+        tokens, lengths, q = batch["tokens"], batch["length"], batch["conditionals"]
+        n = tokens.shape[0]
+        if pad_to and n < pad_to:
+            pad = pad_to - n
+            tokens = np.concatenate([tokens, np.full((pad, tokens.shape[1]), special_ids(model.cfg.num_words).pad,
+                                                     tokens.dtype)])
+            lengths = np.concatenate([lengths, np.zeros(pad, lengths.dtype)])
+            q = np.concatenate([q, np.zeros((pad,) + q.shape[1:], q.dtype)])
+        c, e, k = jax.device_get(_sentence_terms(model, params, tokens, lengths, q))
+        ce.append(c[:n])
+        ent.append(e[:n])
+        cnt.append(k[:n])
+    ce, ent, cnt = (np.concatenate(x).astype(np.float64) for x in (ce, ent, cnt))
+    return summarize(ce, ent, cnt, num_subsets)
+
+
+def summarize(ce_B, ent_B, count_B, num_subsets: int = 5) -> dict:
+    """Position-weighted means over sentences, with the std of the loss and KL over disjoint subsets."""
+    total = count_B.sum()
+    loss, entropy = ce_B.sum() / total, ent_B.sum() / total
+    kl = max(loss - entropy, 0.0)
+    subsets = [s for s in np.array_split(np.arange(len(ce_B)), num_subsets) if count_B[s].sum() > 0]
+    sub_loss = np.array([ce_B[s].sum() / count_B[s].sum() for s in subsets])
+    sub_kl = np.array([(ce_B[s].sum() - ent_B[s].sum()) / count_B[s].sum() for s in subsets])
+    return {
+        "loss": float(loss), "entropy": float(entropy), "kl": float(kl),
+        "log_kl": float(np.log(kl)) if kl > 0 else float("-inf"),
+        "loss_std": float(sub_loss.std(ddof=1)) if len(subsets) > 1 else 0.0,
+        "kl_std": float(sub_kl.std(ddof=1)) if len(subsets) > 1 else 0.0,
+        "num_sentences": len(ce_B), "num_positions": int(total),
+    }

@@ -1,0 +1,51 @@
+"""Metric sinks: `metrics.jsonl` (one JSON object per line) and TensorBoard event files in the workdir."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _scalar(v):
+    v = float(np.asarray(v))
+    return v if math.isfinite(v) else str(v)
+
+
+class MetricWriter:
+    """Writes only on process 0; `write(step, {name: scalar})`."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(Path(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+        self._tb = SummaryWriter(str(Path(workdir, "tensorboard")))
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        for k, v in row.items():
+            if k not in ("step", "time") and isinstance(v, float):
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    path = Path(workdir, "metrics.jsonl")
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,74 @@
+"""Device mesh and logical-axis rules: the same model code runs data-, FSDP- or tensor-parallel by config.
+
+Mesh axes are ("data", "model"). Model code names its axes ("batch", "length", "vocab", "embed",
+"heads", "kv", "mlp"); `axis_rules(parallelism)` maps them onto mesh axes:
+  dp:   batch -> data; parameters replicated.
+  fsdp: batch -> data; parameters sharded over data along "embed" (ZeRO-3 style), gathered per use by XLA.
+  tp:   batch -> data; "heads" and "mlp" -> model (Megatron-style); activations sharded to match.
+A parameter dimension that the mesh axis does not divide stays replicated, so odd shapes never fail.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flatlm import config as config_lib
+
+Rules = tuple[tuple[str, str | None], ...]
+
+
+def axis_rules(parallelism: str) -> Rules:
+    base = (("batch", "data"), ("length", None), ("vocab", None), ("kv", None), ("embed_out", None))
+    if parallelism == "dp":
+        return base + (("embed", None), ("heads", None), ("mlp", None))
+    if parallelism == "fsdp":
+        return base + (("embed", "data"), ("heads", None), ("mlp", None))
+    if parallelism == "tp":
+        return base + (("embed", None), ("heads", "model"), ("mlp", "model"))
+    raise ValueError(f"unknown parallelism {parallelism!r}")
+
+
+def make_mesh(config, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    data, model = config_lib.mesh_shape(config, len(devices))
+    grid = np.asarray(devices[: data * model]).reshape(data, model)
+    return Mesh(grid, ("data", "model"))
+
+
+def _fit(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """Drop mesh axes that do not divide their dimension (that dimension is then replicated)."""
+    out = []
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = (axis,) if isinstance(axis, str) else tuple(axis or ())
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        out.append(axis if axes and dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(boxed_abstract_params, mesh: Mesh, rules: Rules):
+    """NamedShardings for a (boxed, abstract) parameter tree from its logical axis names."""
+    logical = nn.get_partition_spec(boxed_abstract_params)
+    mesh_specs = nn.logical_to_mesh(logical, rules)
+    shapes = nn.unbox(boxed_abstract_params)
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+        mesh_specs, shapes, is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension over the data axis, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def global_batch(local_batch: dict, mesh: Mesh) -> dict:
+    """Assemble each process's slice of the batch into global arrays sharded over the data axis."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
