@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import grain
-import jax
 import orbax.checkpoint as ocp
 
 
@@ -46,17 +45,12 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterato
     return restored["state"]
 
 
-def restore_params(workdir: str, step: int, abstract_params):
-    """Only the parameters of a checkpoint (for evaluators), placed as `abstract_params` asks."""
+def restore_params(workdir: str, step: int, abstract_state):
+    """The parameters of checkpoint `step` (for evaluators), placed as `abstract_state` (the full state) asks."""
     mngr = manager(workdir, read_only=True)
-    meta = mngr.item_metadata(step)["state"]
-    abstract = jax.tree.map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
-        meta, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
-    )
-    abstract["params"] = abstract_params
-    items = {"state": ocp.args.StandardRestore(abstract)}
-    return mngr.restore(step, args=ocp.args.Composite(**items))["state"]["params"]
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+    mngr.close()
+    return restored["state"]["params"]
 
 
 def all_steps(workdir: str) -> list[int]:

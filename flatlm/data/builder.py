@@ -9,10 +9,12 @@ with the same language share one copy, and a half-written build is never visible
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +112,8 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
     )
     if quiet:
         tfds.disable_progress_bar()
-    builder.download_and_prepare()
+    with contextlib.redirect_stdout(sys.stderr):  # tfds prints its banner on stdout; keep stdout for results
+        builder.download_and_prepare()
     return builder
 
 

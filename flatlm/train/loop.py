@@ -73,7 +73,7 @@ class Run:
                                      jax.process_index(), jax.process_count())
 
     def load_params(self, step: int):
-        return ckpt.restore_params(self.workdir, step, self.abstract_state()["params"])
+        return ckpt.restore_params(self.workdir, step, self.abstract_state())
 
 
 def maybe_initialize_distributed(config) -> None:

@@ -1,0 +1,79 @@
+"""Config loading, overrides and validation: every listed bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO, run_cli
+
+from flatlm import cli
+from flatlm.config import apply_overrides, load_config, validate
+from flatlm.errors import UserError
+
+TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--config", str(REPO / "configs" / "hmm_mlm.py") + ":huge"], "unknown preset 'huge'"),
+        (["--config", TINY, "--config.data.batch_size=63", "--config.mesh.data=1"], None),  # valid on 1 device
+        (["--config", TINY, "--config.train.optimizer=adam"], "train.optimizer='adam'"),
+        (["--config", TINY, "--config.train.steps=0"], "train.steps must be positive"),
+        (["--config", TINY, "--config.train.steps=-5"], "train.steps must be positive"),
+        (["--config", TINY, "--config.mesh.data=16"], "needs 16 devices"),
+        (["--config", TINY, "--config.train.stepz=3"], "did you mean 'steps'"),
+        (["--config", TINY, "--config.train.lr=fast"], "expects float"),
+        (["--config", "configs/nope.py"], "not found"),
+        (["--config", TINY, "--bogus"], "unrecognised argument '--bogus'"),
+    ],
+)
+def test_bad_inputs_exit_2_with_one_line(args, needle, tmp_path, capsys):
+    if needle is None:  # the valid control: validation passes (we only validate, not train)
+        config = apply_overrides(load_config(args[1]), args[2:])
+        validate(config, num_devices=1)
+        return
+    code = cli.main(["train", *args, "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("flatlm: error:") and needle in err, err
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_batch_not_divisible_by_data_axis():
+    config = load_config(TINY)
+    config.data.batch_size = 63
+    config.mesh.data = 2
+    with pytest.raises(UserError, match="not divisible by the data axis"):
+        validate(config, num_devices=8)
+
+
+def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
+    proc = run_cli("train", "--config", TINY, "--workdir", str(tmp_path), "--config.train.optimizer=lion")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("flatlm: error: config.train.optimizer")
+
+
+def test_overrides_are_typed():
+    config = apply_overrides(load_config(TINY), ["--config.train.lr=1", "--config.model.ln_mode=post",
+                                                 "--config.checkpoint.steps=[5, 10]",
+                                                 "--config.model.gelu_approximate=false"])
+    assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
+    assert config.model.ln_mode == "post"
+    assert config.checkpoint.steps == (5, 10)
+    assert config.model.gelu_approximate is False
+
+
+def test_workdir_refuses_a_different_config(tmp_path):
+    from flatlm.config import save_workdir_config
+
+    config = load_config(TINY)
+    save_workdir_config(config, str(tmp_path))
+    save_workdir_config(load_config(TINY), str(tmp_path))  # same config: fine
+    config.train.lr = 0.5
+    with pytest.raises(UserError, match="different config.*train.lr"):
+        save_workdir_config(config, str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] != 0.5

@@ -1,0 +1,57 @@
+"""MLM masking: the paper's single-position masking and the released BERT 15% / 80-10-10 with a cap."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flatlm.data.masking import mask_batch
+
+V = 20  # words 0..19, pad 20, mask 21
+
+
+def _corpus(n=4000, T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, T + 1, size=n)
+    tokens = rng.integers(0, V, size=(n, T))
+    tokens = np.where(np.arange(T)[None] < lengths[:, None], tokens, V)
+    return tokens, lengths
+
+
+def test_single_masks_exactly_one_word_uniformly():
+    tokens, lengths = _corpus()
+    b = mask_batch(tokens, lengths, V, np.random.default_rng(1), masking="single")
+    assert (b["weights"].sum(1) == 1).all()
+    pos = b["weights"].argmax(1)
+    assert (pos < lengths).all()
+    assert (b["tokens"][np.arange(len(pos)), pos] == V + 1).all()
+    assert (np.where(b["weights"] > 0, tokens, b["tokens"]) == tokens).all()  # nothing else changes
+    assert (b["targets"] == tokens).all()
+    # uniform over positions: relative position pos/length ~ U[0,1)
+    u = (pos + 0.5) / lengths
+    assert abs(u.mean() - 0.5) < 0.02
+
+
+def test_bert_masking_rates_and_cap():
+    tokens, lengths = _corpus(n=20000, T=32)
+    b = mask_batch(tokens, lengths, V, np.random.default_rng(2), masking="bert", mask_prob=0.15, max_predictions=5)
+    w = b["weights"] > 0
+    per = w.sum(1)
+    assert per.min() >= 1 and per.max() <= 5
+    assert not (w & (np.arange(32)[None] >= lengths[:, None])).any()  # never a pad
+    sel_in, sel_orig = b["tokens"][w], tokens[w]
+    frac_mask = (sel_in == V + 1).mean()
+    frac_keep = (sel_in == sel_orig).mean()  # kept (10%) + random that hit the same word (10% / V)
+    assert abs(frac_mask - 0.8) < 0.015
+    assert abs(frac_keep - (0.1 + 0.1 / V)) < 0.012
+    # selection rate close to 15% where the cap does not bind (short sentences)
+    short = lengths <= 12
+    rate = per[short].sum() / lengths[short].sum()
+    assert 0.15 < rate < 0.22  # >= 15% because every sentence gets at least one prediction
+
+
+def test_masking_is_deterministic_in_the_generator():
+    tokens, lengths = _corpus(n=50)
+    a = mask_batch(tokens, lengths, V, np.random.default_rng(7), masking="bert")
+    b = mask_batch(tokens, lengths, V, np.random.default_rng(7), masking="bert")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -1,0 +1,97 @@
+"""BERT/LSTM MLM models: shapes, tied head over V words, padding invariance, pre/post-LN, Table 3 shapes."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flatlm.models import TABLE3, Bert, BertConfig, BiLSTM, LSTMConfig
+
+V, T = 11, 7
+
+
+def _init(model, tokens):
+    return nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+
+
+@pytest.mark.parametrize("ln_mode", ["pre", "post"])
+def test_bert_shapes_and_padding_invariance(ln_mode):
+    cfg = BertConfig(num_words=V, max_len=T, d_model=64, num_layers=2, ln_mode=ln_mode)
+    model = Bert(cfg)
+    tokens = jnp.array([[1, 2, 3, 12, 4, V, V], [5, 6, 7, 8, 9, 10, 0]], jnp.int32)  # 12 = mask id
+    params = _init(model, tokens)
+    logits = model.apply({"params": params}, tokens)
+    assert logits.shape == (2, T, V)  # words only
+    h = model.apply({"params": params}, tokens, method=Bert.features)
+    assert h.shape == (2, T, 64)
+    # padded keys are ignored: changing the padding length does not change real positions
+    longer = jnp.concatenate([tokens, jnp.full((2, 0), V, jnp.int32)], 1)
+    other = tokens.at[0, 6].set(V)
+    np.testing.assert_allclose(model.apply({"params": params}, other)[0, :5],
+                               model.apply({"params": params}, longer)[0, :5], atol=1e-6)
+    # attention: a real token's change does reach other positions
+    changed = tokens.at[0, 0].set(9)
+    assert np.abs(model.apply({"params": params}, changed)[0, 2] - logits[0, 2]).max() > 1e-4
+
+
+def test_bert_head_is_tied_to_input_embeddings():
+    cfg = BertConfig(num_words=V, max_len=T, d_model=64, num_layers=1, dropout=0.0)
+    model = Bert(cfg)
+    tokens = jnp.zeros((1, T), jnp.int32)
+    params = _init(model, tokens)
+    assert params["tok_embed"].shape == (V + 3, 64)  # words + pad, mask, cls
+    assert "head_bias" in params and params["head_bias"].shape == (V,)
+    grads = jax.grad(lambda p: model.apply({"params": p}, tokens)[0, 0, 3])(params)
+    assert np.abs(grads["tok_embed"][3]).sum() > 0  # output row 3 uses input embedding row 3
+    h = model.apply({"params": params}, tokens, method=Bert.features)
+    z = jax.nn.gelu(h @ params["head_dense"] + params["head_dense_bias"], approximate=True)
+    mu, var = z.mean(-1, keepdims=True), z.var(-1, keepdims=True)
+    z = (z - mu) / jnp.sqrt(var + cfg.ln_eps) * params["head_ln"]["norm"]["scale"] + params["head_ln"]["norm"]["bias"]
+    manual = z @ params["tok_embed"][:V].T + params["head_bias"]
+    np.testing.assert_allclose(model.apply({"params": params}, tokens), manual, atol=1e-5)
+
+
+def test_table3_shapes_have_head_size_64():
+    assert len(TABLE3) == 9
+    for name, (layers, d) in TABLE3.items():
+        cfg = BertConfig.from_table3(name, num_words=200, max_len=33)
+        assert cfg.num_layers == layers and cfg.d_model == d
+        assert cfg.head_dim == 64 and cfg.heads == max(1, d // 64) and cfg.ff == 4 * d
+    shapes = jax.eval_shape(
+        lambda: Bert(BertConfig.from_table3("L4-H256", num_words=200, max_len=33)).init(
+            jax.random.key(0), jnp.zeros((1, 33), jnp.int32)))
+    n = sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))
+    d, L = 256, 4
+    expected = (203 + 33) * d + L * (12 * d * d + 13 * d) + (d * d + d) + 2 * d + 2 * d + 200
+    assert n == expected
+
+
+def test_dropout_changes_output_only_in_training():
+    cfg = BertConfig(num_words=V, max_len=T, d_model=64, num_layers=1, dropout=0.5)
+    model = Bert(cfg)
+    tokens = jnp.ones((2, T), jnp.int32)
+    params = _init(model, tokens)
+    a = model.apply({"params": params}, tokens)
+    b = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    assert np.abs(a - b).max() > 1e-3
+    np.testing.assert_array_equal(a, model.apply({"params": params}, tokens))
+
+
+def test_lstm_is_bidirectional_and_respects_lengths():
+    cfg = LSTMConfig(num_words=V, max_len=T, d_hidden=16, num_layers=2, dropout=0.0)
+    model = BiLSTM(cfg)
+    tokens = jnp.array([[1, 2, 3, 4, V, V, V]], jnp.int32)
+    params = _init(model, tokens)
+    out = model.apply({"params": params}, tokens)
+    assert out.shape == (1, T, V)
+    assert model.apply({"params": params}, tokens, method=BiLSTM.features).shape == (1, T, 32)
+    # a later word changes an earlier position (backward direction) and an earlier word a later one
+    later = tokens.at[0, 3].set(7)
+    assert np.abs(model.apply({"params": params}, later)[0, 0] - out[0, 0]).max() > 1e-6
+    earlier = tokens.at[0, 0].set(7)
+    assert np.abs(model.apply({"params": params}, earlier)[0, 3] - out[0, 3]).max() > 1e-6
+    # the padding does not leak into real positions: same as the unpadded sentence
+    np.testing.assert_allclose(model.apply({"params": params}, tokens[:, :4])[0], out[0, :4], atol=1e-6)
