@@ -14,7 +14,6 @@ $(PY):
 
 $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m ipykernel install --user --name flatlm --display-name flatlm >/dev/null 2>&1 || true
 	@touch $(STAMP)
 
 install: $(STAMP)
