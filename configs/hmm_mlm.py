@@ -28,6 +28,12 @@ def get_config(arg: str = "tiny"):
     c.train.update(steps=preset["steps"], lr=preset["lr"], eval_every=preset["eval_every"],
                    log_every=min(50, preset["eval_every"]))
     c.checkpoint.every = preset["ckpt"]
+    if arg != "paper":  # downstream: task-k at the middle of the sentence, small splits, few epochs
+        c.eval.tasks = (f"k{preset['length'] // 2}",)
+        c.eval.update(task_train_size=preset["train"] // 4, task_eval_size=preset["eval"])
+        c.eval.probe.update(epochs=10, num_seeds=2 if arg == "tiny" else 3)
+        c.eval.finetune.update(epochs=1 if arg == "tiny" else 2, num_seeds=2 if arg == "tiny" else 3,
+                               warmup_steps=20)
     if arg == "paper":
         c.train.warmup_frac = 0.06
         c.eval.batch_size = 512

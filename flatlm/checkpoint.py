@@ -12,10 +12,24 @@ import grain
 import orbax.checkpoint as ocp
 
 
-def manager(workdir: str, keep: int = 3, pinned_steps=(), read_only: bool = False) -> ocp.CheckpointManager:
+class PinnedSteps(ocp.checkpoint_managers.PreservationPolicy):
+    """Keeps checkpoints at a set of steps that may grow while training (`pin`)."""
+
+    def __init__(self, steps=()):
+        self.steps = set(int(s) for s in steps)
+
+    def pin(self, *steps: int) -> None:
+        self.steps.update(int(s) for s in steps)
+
+    def should_preserve(self, checkpoints, *, context):
+        return [c.step in self.steps for c in checkpoints]
+
+
+def manager(workdir: str, keep: int = 3, pinned: PinnedSteps | None = None,
+            read_only: bool = False) -> ocp.CheckpointManager:
     policies = [ocp.checkpoint_managers.LatestN(keep)]
-    if pinned_steps:
-        policies.append(ocp.checkpoint_managers.CustomSteps(list(pinned_steps)))
+    if pinned is not None:
+        policies.append(pinned)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
         read_only=read_only,
@@ -57,3 +71,10 @@ def all_steps(workdir: str) -> list[int]:
     if not Path(workdir, "checkpoints").exists():
         return []
     return sorted(manager(workdir, read_only=True).all_steps())
+
+
+def load_run(workdir: str, quiet: bool = True):
+    """The `flatlm.train.loop.Run` of a workdir (config, model, language, `load_params(step)`, `steps`)."""
+    from flatlm.train.loop import load_run as _load_run
+
+    return _load_run(workdir, quiet=quiet)

@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from flatlm.errors import UserError  # noqa: E402
 
 # Modules that register more verbs with `add_parser(subparsers)`.
-VERB_MODULES: tuple[str, ...] = ()
+VERB_MODULES: tuple[str, ...] = ("flatlm.evaluate.runner", "flatlm.experiment", "flatlm.report")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,23 +77,33 @@ def cmd_train(args, extra) -> int:
 
 
 def cmd_data(args, extra) -> int:
+    from flatlm import config as config_lib
+    from flatlm.data.tasks import build_task
+    from flatlm.evaluate.runner import task_names
+    from flatlm.languages import make_language
     from flatlm.train.loop import data_dir, prepare_data
 
     config = _config_from_args(args, extra)
-    from flatlm import config as config_lib
-
     config_lib.validate(config)
     if args.data_dir:
         config.data.data_dir = args.data_dir
-    target = data_dir(config, args.workdir or ".")
     if not config.data.data_dir and not args.workdir:
         raise UserError("say where to write the data: --data-dir DIR (or --workdir DIR for <workdir>/data)")
+    target = data_dir(config, args.workdir or ".")
     sources = prepare_data(config, args.workdir or ".", quiet=args.quiet)
-    rows = [{"split": k, "examples": len(v), "path": target} for k, v in sources.items()]
+    rows = [{"dataset": "corpus", "split": k, "examples": len(v)} for k, v in sources.items()]
+    if not args.no_tasks:
+        language = make_language(config.language)
+        sizes = (config.eval.task_train_size, config.eval.task_eval_size, config.eval.task_eval_size)
+        for task in task_names(config, language):
+            splits = build_task(config.language.to_dict(), task, target, sizes, seed=config.seed,
+                                definition=config.eval.task_definition, quiet=args.quiet)
+            rows += [{"dataset": f"task {task}", "split": k, "examples": len(v["label"])} for k, v in splits.items()]
     if args.json:
-        print(json.dumps({"data_dir": target, "splits": {r["split"]: r["examples"] for r in rows}}))
+        print(json.dumps({"data_dir": target, "datasets": rows}))
     else:
-        print_table(rows, [("split", "split", "s"), ("examples", "examples", "d"), ("path", "data dir", "s")])
+        print_table(rows, [("dataset", "dataset", "s"), ("split", "split", "s"), ("examples", "examples", "d")])
+        print(f"data dir: {target}")
     return 0
 
 
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", required=True, help="configs/FILE.py[:PRESET]")
     d.add_argument("--data-dir", default="", help="where to write (default: the config's data.data_dir)")
     d.add_argument("--workdir", default="", help="use <workdir>/data when no data dir is given")
+    d.add_argument("--no-tasks", action="store_true", help="only the pre-training corpus, no downstream tasks")
     d.add_argument("--json", action="store_true")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_data)
@@ -146,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     from flatlm.train.loop import NonFiniteLoss
 
     try:

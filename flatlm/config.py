@@ -76,11 +76,36 @@ def base_config() -> ml_collections.ConfigDict:
             eval_every=250,
         )
     )
-    c.eval = ml_collections.ConfigDict(dict(num_subsets=5, batch_size=128))
+    c.eval = ml_collections.ConfigDict(
+        dict(
+            num_subsets=5,  # exact loss: std over this many disjoint subsets of the validation sentences
+            batch_size=128,
+            tasks=(),  # downstream tasks; () -> the language's default (HMM: k6, k10; PCFG: A, B, C)
+            task_definition="",  # "" -> language default (HMM "sampled", PCFG "released")
+            task_train_size=100_000,
+            task_eval_size=10_000,  # validation and test, each
+            lookup=True,  # also probe the lookup table (exact conditionals) once per run
+            probe=ml_collections.ConfigDict(dict(
+                enabled=True, epochs=100, batch_size=512, lr=1e-3, weight_decay=0.01, warmup_steps=50,
+                num_seeds=5, projection_dim=0, standardize=True)),  # paper: 100 epochs; released: 50
+            finetune=ml_collections.ConfigDict(dict(
+                enabled=True, epochs=50, batch_size=128, lr=1e-4, weight_decay=0.01, warmup_steps=200,
+                num_seeds=5)),  # paper: 200 warmup steps; released: 50
+        )
+    )
     c.mesh = ml_collections.ConfigDict(
         dict(data=-1, model=1, parallelism="dp", multihost=False)  # -1: all remaining devices
     )
-    c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3, steps=()))  # steps: also kept forever
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            every=500, keep=3,
+            steps=(),  # also saved and kept forever
+            # "Continue after convergence" (paper Figure 1): once the exact KL stops improving (relative gain
+            # below `convergence_tol` for `convergence_patience` evals in a row) at step s0, save and keep
+            # checkpoints at s0 * log_factor^i.
+            after_convergence=False, convergence_patience=3, convergence_tol=0.02, log_factor=2.0,
+        )
+    )
     return c
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
@@ -72,6 +73,11 @@ class Run:
         return pipeline.eval_batches(self.sources["validation"], bs, limit,
                                      jax.process_index(), jax.process_count())
 
+    @property
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint, ascending."""
+        return ckpt.all_steps(self.workdir)
+
     def load_params(self, step: int):
         return ckpt.restore_params(self.workdir, step, self.abstract_state())
 
@@ -123,6 +129,12 @@ def build_run(config, workdir: str, quiet: bool = False) -> Run:
     return Run(config, workdir, language, model, mesh, rules, sources, abstract_boxed, state_shardings, optimizer)
 
 
+def load_run(workdir: str, quiet: bool = True) -> Run:
+    """The Run of an existing workdir, from its config.json (for evaluators and the CLI)."""
+    config = config_lib.load_workdir_config(workdir)
+    return build_run(config, workdir, quiet=quiet)
+
+
 def init_state(run: Run) -> dict:
     """Fresh state, created directly in its shardings."""
 
@@ -150,6 +162,44 @@ def evaluate_exact_loss(run: Run, params, limit: int | None = None) -> dict:
     bs = run.config.eval.batch_size
     with run.mesh, nn.logical_axis_rules(run.rules):
         return exact_loss(run.model, params, run.eval_batches(bs, limit), run.config.eval.num_subsets, pad_to=bs)
+
+
+class ConvergenceWatch:
+    """Detects when the exact KL stops improving and pins log-spaced checkpoint steps after that point.
+
+    State lives in `<workdir>/convergence.json`, so a resumed run keeps its schedule.
+    """
+
+    def __init__(self, cfg, total_steps: int, workdir: str, pinned: ckpt.PinnedSteps):
+        self.cfg, self.total, self.pinned = cfg, total_steps, pinned
+        self.path = os.path.join(workdir, "convergence.json")
+        self.state = {"best": None, "stalls": 0, "converged_at": None, "log_steps": []}
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.state = json.load(f)
+        pinned.pin(*self.state["log_steps"])
+
+    def update(self, step: int, kl: float) -> None:
+        s = self.state
+        if not self.cfg.after_convergence or s["converged_at"] is not None:
+            return
+        if s["best"] is None or kl < s["best"] * (1 - self.cfg.convergence_tol):
+            s["best"], s["stalls"] = kl, 0
+        else:
+            s["stalls"] += 1
+        if s["stalls"] >= self.cfg.convergence_patience:
+            s["converged_at"] = step
+            steps, x = [], float(step)
+            while round(x) <= self.total:
+                steps.append(int(round(x)))
+                x *= self.cfg.log_factor
+            s["log_steps"] = sorted(set(steps))
+            self.pinned.pin(*s["log_steps"])
+            log.info("exact KL converged at step %d; keeping checkpoints at %s", step, s["log_steps"])
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(s, f)
+        os.replace(tmp, self.path)
 
 
 class _Preemption:
@@ -183,7 +233,9 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
         config_lib.save_workdir_config(config, workdir)
     run = build_run(config, workdir, quiet=not progress)
     c = config
-    mngr = ckpt.manager(workdir, keep=c.checkpoint.keep, pinned_steps=tuple(c.checkpoint.steps))
+    pinned = ckpt.PinnedSteps(c.checkpoint.steps)
+    convergence = ConvergenceWatch(c.checkpoint, c.train.steps, workdir, pinned)
+    mngr = ckpt.manager(workdir, keep=c.checkpoint.keep, pinned=pinned)
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources.get("train"),
                                  language=run.language, process_index=jax.process_index(),
                                  process_count=jax.process_count())
@@ -235,8 +287,10 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
                 pending = None
                 last_eval = {f"eval/{k}": v for k, v in evaluate_exact_loss(run, state["params"]).items()}
                 writer.write(step, last_eval)
+                if jax.process_index() == 0:
+                    convergence.update(step, last_eval["eval/kl"])
                 bar.set_postfix(loss=f"{last_eval['eval/loss']:.4f}", kl=f"{last_eval['eval/kl']:.2e}")
-            if step % c.checkpoint.every == 0 or last or step in c.checkpoint.steps or preempt.requested:
+            if step % c.checkpoint.every == 0 or last or step in pinned.steps or preempt.requested:
                 if pending is not None:
                     flush(pending)
                     pending = None

@@ -1,0 +1,131 @@
+"""Downstream task datasets: sentences from the language with labels, as tfds splits (train/validation/test).
+
+Task names per language:
+  HMM:  "k<i>" — classify the hidden state at 0-based position i (paper: tasks 6 and 10); definition
+        "sampled" (the state that generated the sentence, default) or "posterior" (argmax P(z_i | x)).
+  PCFG: "A", "B", "C" — released definition (default) or "posterior"; see `flatlm.languages.pcfg`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from flatlm.errors import UserError
+from flatlm.languages import make_language
+
+SPLITS = ("train", "validation", "test")
+
+
+def default_definition(language_name: str) -> str:
+    return {"hmm": "sampled", "pcfg": "released"}.get(language_name, "")
+
+
+def check_task(language, name: str, task: str) -> None:
+    if name == "hmm":
+        if not (task.startswith("k") and task[1:].isdigit() and int(task[1:]) < language.max_length):
+            raise UserError(f"HMM task {task!r} is not k<position> with position < {language.max_length}; e.g. k6")
+    elif name == "pcfg":
+        if task not in ("A", "B", "C"):
+            raise UserError(f"PCFG task {task!r} is unknown; use A, B or C")
+    else:
+        raise UserError(f"language {name!r} has no synthetic downstream tasks")
+
+
+def num_classes(language, name: str, task: str) -> int:
+    return language.num_states if name == "hmm" else language.num_labels(task)
+
+
+def sample_task(language, name: str, task: str, n: int, seed: int, definition: str = "") -> dict:
+    """n labelled sentences: {"tokens" int32[n, T], "length" int32[n], "label" int32[n]}."""
+    check_task(language, name, task)
+    definition = definition or default_definition(name)
+    if name == "hmm":
+        corpus = language.sample(n, seed)
+        labels = language.task_labels(corpus.tokens, corpus.lengths, int(task[1:]), definition=definition,
+                                      states=corpus.latents.get("states"))
+    else:
+        corpus, labels = language.sample_task(n, seed, task, definition=definition)
+        T = language.max_length
+        if corpus.tokens.shape[1] < T:  # pad to the language's T so every split has one shape
+            pad = np.full((n, T - corpus.tokens.shape[1]), language.vocab_size, np.int32)
+            corpus.tokens = np.concatenate([corpus.tokens, pad], 1)
+    return {"tokens": corpus.tokens.astype(np.int32), "length": corpus.lengths.astype(np.int32),
+            "label": np.asarray(labels, np.int32)}
+
+
+@dataclasses.dataclass
+class TaskConfig(tfds.core.BuilderConfig):
+    spec: str = "{}"
+    task: str = ""
+    definition: str = ""
+    sizes: tuple = (0, 0, 0)
+    seed: int = 0
+
+
+class FlatlmTask(tfds.core.GeneratorBasedBuilder):
+    """Labelled sentences for one downstream task of a flatlm language."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "First release."}
+    CHUNK = 4096
+
+    @property
+    def language(self):
+        if not hasattr(self, "_language"):
+            self._language = make_language(json.loads(self.builder_config.spec))
+        return self._language
+
+    def _info(self):
+        T = self.language.max_length
+        return tfds.core.DatasetInfo(builder=self, description=self.builder_config.description,
+                                     features=tfds.features.FeaturesDict({
+                                         "tokens": tfds.features.Tensor(shape=(T,), dtype=np.int32),
+                                         "length": tfds.features.Scalar(dtype=np.int32),
+                                         "label": tfds.features.Scalar(dtype=np.int32)}))
+
+    def _split_generators(self, dl_manager):
+        c = self.builder_config
+        return {split: self._generate_examples(size, c.seed * 10 + i + 1)
+                for i, (split, size) in enumerate(zip(SPLITS, c.sizes)) if size > 0}
+
+    def _generate_examples(self, n: int, seed: int):
+        c = self.builder_config
+        name = json.loads(c.spec)["name"]
+        for start in range(0, n, self.CHUNK):
+            size = min(self.CHUNK, n - start)
+            part = sample_task(self.language, name, c.task, size, seed * 1_000_003 + start // self.CHUNK,
+                               c.definition)
+            for i in range(size):
+                yield start + i, {k: v[i] for k, v in part.items()}
+
+
+def build_task(language_spec: dict, task: str, data_dir: str, sizes: tuple[int, int, int], seed: int,
+               definition: str = "", quiet: bool = False) -> dict:
+    """Materialise (once) and load a task's splits into memory: {split: {"tokens", "length", "label"}}."""
+    definition = definition or default_definition(language_spec["name"])
+    payload = json.dumps({"spec": language_spec, "task": task, "definition": definition, "sizes": list(sizes),
+                          "seed": seed}, sort_keys=True)
+    config = TaskConfig(name=f"{language_spec['name']}_{task}_{hashlib.sha1(payload.encode()).hexdigest()[:12]}",
+                        description=payload, spec=json.dumps(language_spec, sort_keys=True), task=task,
+                        definition=definition, sizes=tuple(sizes), seed=seed)
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    builder = FlatlmTask(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+    check_task(builder.language, language_spec["name"], task)
+    if quiet:
+        tfds.disable_progress_bar()
+    with contextlib.redirect_stdout(sys.stderr):
+        builder.download_and_prepare()
+    out = {}
+    for split, src in builder.as_data_source().items():
+        items = src.__getitems__(list(range(len(src))))
+        out[split] = {k: np.stack([it[k] for it in items]) for k in ("tokens", "length", "label")}
+    return out

@@ -1,0 +1,177 @@
+"""`flatlm experiment`: run every run of a paper experiment, then evaluate and measure flatness, resumably.
+
+An experiment config (`configs/experiments/*.py`) is a ConfigDict with
+  name, base (a full run config), runs (list of {name, overrides: ("--config.a.b=v", ...)}),
+  evaluate (bool), flatness ({enabled, method, num_probes, ...}), grow (Figure 5: embed runs into a big shape).
+Layout: <workdir>/experiment.json, <workdir>/runs/<name>/ (an ordinary run workdir each). A run is finished
+when its `DONE` marker exists; a killed experiment restarts where it stopped: finished runs are skipped, an
+interrupted run resumes from its last checkpoint, evaluations already in results.json are not redone.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import ml_collections
+
+from flatlm import config as config_lib
+from flatlm import results as results_lib
+from flatlm.errors import UserError
+
+
+def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evaluate: bool = True,
+                      flatness: dict | None = None, description: str = "") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = name
+    c.description = description
+    c.base = base
+    c.runs = [{"name": n, "overrides": list(o)} for n, o in runs]
+    c.evaluate = evaluate
+    c.flatness = ml_collections.ConfigDict(dict(enabled=False, method="fisher", num_probes=64, num_batches=4,
+                                                batch_size=128, draws=50, **(flatness or {})))
+    return c
+
+
+def parse_arg(arg: str, default_language: str = "pcfg") -> tuple[str, str]:
+    """"tiny" | "paper" | "tiny,hmm" | "paper,pcfg" -> (preset, language)."""
+    preset, _, language = (arg or "tiny").partition(",")
+    language = language or default_language
+    if preset not in ("tiny", "paper"):
+        raise UserError(f"unknown preset {preset!r}; use tiny or paper (optionally ',hmm' or ',pcfg')")
+    if language not in ("hmm", "pcfg"):
+        raise UserError(f"unknown language {language!r}; use hmm or pcfg")
+    return preset, language
+
+
+def base_run_config(preset: str, language: str):
+    """The `configs/{language}_mlm.py:{preset}` config that experiments start from."""
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{language}_mlm.py"
+    if not path.exists():
+        raise UserError(f"{path} not found: experiments need the repository's configs/ folder")
+    return config_lib.load_config(f"{path}:{preset}")
+
+
+def run_config(exp, run: dict):
+    config = copy.deepcopy(exp.base)
+    config.config_spec = f"{exp.name}/{run['name']}"
+    return config_lib.apply_overrides(config, list(run["overrides"]))
+
+
+def validate_experiment(exp) -> None:
+    import jax
+
+    names = [r["name"] for r in exp.runs]
+    if len(set(names)) != len(names):
+        raise UserError(f"experiment {exp.name}: run names must be unique, got {names}")
+    for r in exp.runs:
+        config_lib.validate(run_config(exp, r), jax.device_count())
+
+
+def _done(run_dir: Path) -> bool:
+    return (run_dir / "DONE").exists()
+
+
+def _mark_done(run_dir: Path, info: dict) -> None:
+    tmp = run_dir / ".DONE.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, run_dir / "DONE")
+
+
+def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[int]:
+    have = {e["step"] for e in results_lib.load(str(run_dir)) if e["kind"] == kind
+            and all(e.get(k) == v for k, v in match.items())}
+    return [s for s in steps if s not in have]
+
+
+def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
+    """Train, evaluate and measure every run; returns {run name: status}."""
+    from flatlm.train.loop import train_and_evaluate
+
+    validate_experiment(exp)
+    root = Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    spec = root / "experiment.json"
+    text = exp.to_json_best_effort(indent=1, sort_keys=True)
+    if spec.exists() and json.loads(spec.read_text()) != json.loads(text):
+        raise UserError(f"{workdir} holds a different experiment; use a new --workdir")
+    spec.write_text(text)
+    status = {}
+    for i, run in enumerate(exp.runs):
+        run_dir = root / "runs" / run["name"]
+        if _done(run_dir):
+            status[run["name"]] = "done earlier"
+            continue
+        if progress:
+            print(f"[{i + 1}/{len(exp.runs)}] {exp.name}/{run['name']}", file=sys.stderr)
+        config = run_config(exp, run)
+        t0 = time.time()
+        train_and_evaluate(config, str(run_dir), progress=progress)
+        if exp.evaluate:
+            evaluate_pending(run_dir, progress)
+        if exp.flatness.enabled:
+            flatness_pending(run_dir, exp.flatness, progress)
+        _mark_done(run_dir, {"seconds": time.time() - t0})
+        status[run["name"]] = "finished"
+    return status
+
+
+def evaluate_pending(run_dir: Path, progress: bool) -> None:
+    from flatlm.checkpoint import all_steps
+    from flatlm.evaluate.runner import evaluate_run
+
+    steps = _pending_steps(run_dir, "probe", all_steps(str(run_dir)))
+    have_lookup = any(e["kind"] == "lookup_table" for e in results_lib.load(str(run_dir)))
+    if steps:
+        evaluate_run(str(run_dir), ",".join(map(str, steps)), lookup=None if not have_lookup else False,
+                     progress=progress)
+
+
+def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
+    from flatlm.checkpoint import all_steps
+    from flatlm.flatness.runner import flatness_run
+
+    steps = _pending_steps(run_dir, "flatness", all_steps(str(run_dir)), method=fcfg.method)
+    if steps:
+        flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
+                     num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws, progress=progress)
+
+
+def load_experiment(spec: str):
+    """`configs/experiments/NAME.py[:ARG]` -> experiment ConfigDict."""
+    exp = config_lib.load_config(spec)
+    if "runs" not in exp or "base" not in exp:
+        raise UserError(f"{spec} is not an experiment config (needs `base` and `runs`); see configs/experiments/")
+    return exp
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably")
+    p.add_argument("--config", required=True, help="configs/experiments/NAME.py[:PRESET]")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args, extra) -> int:
+    exp = load_experiment(args.config)
+    if extra:
+        bad = [a for a in extra if not a.startswith("--config.")]
+        if bad:
+            raise UserError(f"unrecognised argument {bad[0]!r}; overrides look like --config.base.train.steps=200")
+        config_lib.apply_overrides(exp, extra)
+    status = run_experiment(exp, args.workdir, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"workdir": args.workdir, "runs": status}))
+    else:
+        from flatlm.cli import print_table
+
+        print_table([{"run": k, "status": v} for k, v in status.items()], [("run", "run", "s"),
+                                                                             ("status", "status", "s")])
+        print(f"report: flatlm report {args.workdir}")
+    return 0

@@ -1,0 +1,250 @@
+"""`flatlm report DIR...`: finished runs -> a markdown report with PNG plots.
+
+DIR may be a run workdir (config.json) or an experiment workdir (runs/*/). Plots: exact loss and log KL vs
+steps; downstream accuracy vs steps; accuracy vs model size at equal loss; Tr(H) vs accuracy with Spearman's
+rank correlation and a bootstrap 95% interval; and the Table 1/2 layout (mean ± std over seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flatlm import results as results_lib
+from flatlm.errors import UserError
+from flatlm.metrics import read_metrics
+
+
+@dataclass
+class RunData:
+    name: str
+    path: Path
+    config: dict
+    evals: list[dict]
+    results: list[dict]
+    num_params: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def probe(self, task: str | None = None) -> dict[int, dict]:
+        """step -> latest probe entry (for `task`, or the first task)."""
+        out = {}
+        for e in self.results:
+            if e["kind"] == "probe" and (task is None or e.get("task") == task):
+                out[e["step"]] = e
+        return out
+
+    def by_kind(self, kind: str) -> dict:
+        return {e["step"]: e for e in self.results if e["kind"] == kind}
+
+
+def find_runs(dirs: list[str]) -> list[RunData]:
+    runs = []
+    for d in dirs:
+        p = Path(d)
+        candidates = [p] if (p / "config.json").exists() else sorted(x.parent for x in p.glob("runs/*/config.json"))
+        if not candidates:
+            raise UserError(f"{d} holds no flatlm run (no config.json, no runs/*/config.json)")
+        for c in candidates:
+            runs.append(RunData(name=c.name, path=c,
+                                config=json.loads((c / "config.json").read_text()),
+                                evals=[m for m in read_metrics(str(c)) if "eval/loss" in m],
+                                results=results_lib.load(str(c))))
+    return runs
+
+
+def param_count(run: RunData) -> int | None:
+    """Number of parameters of the run's model (abstract init; nothing is allocated)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from flatlm.config import load_workdir_config
+    from flatlm.languages import make_language
+    from flatlm.models import make_model, model_config
+
+    cfg = load_workdir_config(str(run.path))
+    lang = make_language(cfg.language)
+    model = make_model(model_config(cfg.model, lang.vocab_size, lang.max_length + 1))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, lang.max_length), jnp.int32)))
+    return int(sum(x.size for x in jax.tree.leaves(nn.unbox(shapes))))
+
+
+def spearman_with_ci(x, y, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Spearman's rho and a percentile bootstrap 95% interval (pairs resampled)."""
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    rho = float(spearmanr(x, y).statistic)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(x), len(x))
+        if np.ptp(x[idx]) > 0 and np.ptp(y[idx]) > 0:
+            boots.append(spearmanr(x[idx], y[idx]).statistic)
+    lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (math.nan, math.nan))
+    return rho, float(lo), float(hi)
+
+
+def _tasks(runs: list[RunData]) -> list[str]:
+    return sorted({e["task"] for r in runs for e in r.results if e.get("task")})
+
+
+def _pm(mean, std, scale=100.0, digits=1) -> str:
+    return "-" if mean is None else f"{scale * mean:.{digits}f} ± {scale * (std or 0):.{digits}f}"
+
+
+def make_report(dirs: list[str], out: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = find_runs(dirs)
+    for r in runs:
+        try:
+            r.num_params = param_count(r)
+        except Exception:  # noqa: BLE001 - a run whose config no longer builds still gets its curves
+            r.num_params = None
+    out_dir = Path(out or Path(dirs[0]) / "report")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(runs)
+    md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
+
+    # 1. exact loss and log KL vs steps
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        s = [m["step"] for m in r.evals]
+        a.plot(s, [m["eval/loss"] for m in r.evals], "o-", ms=3, label=r.name)
+        b.plot(s, [m["eval/log_kl"] if isinstance(m["eval/log_kl"], float) else np.nan for m in r.evals], "o-",
+               ms=3, label=r.name)
+    if runs and runs[0].evals:
+        a.axhline(runs[0].evals[-1]["eval/entropy"], color="k", ls="--", lw=1, label="entropy (optimum)")
+    a.set(xlabel="step", ylabel="exact pre-training loss (nats)", title="loss = entropy + KL")
+    b.set(xlabel="step", ylabel="log KL", title="log KL(true || model)")
+    a.legend(fontsize=7)
+    _save(fig, out_dir / "loss_vs_steps.png")
+    md.append("## Pre-training loss\n\n![loss](loss_vs_steps.png)\n")
+
+    # 2. downstream accuracy vs steps
+    if tasks:
+        fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+        for ax, t in zip(axes[0], tasks):
+            for r in runs:
+                p = r.probe(t)
+                if p:
+                    s = sorted(p)
+                    ax.errorbar(s, [100 * p[k]["accuracy"] for k in s], [100 * p[k]["accuracy_std"] for k in s],
+                                fmt="o-", ms=3, capsize=2, label=r.name)
+            look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
+            if look:
+                ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
+            ax.set(xlabel="step", ylabel="probe accuracy (%)", title=f"task {t}")
+            ax.legend(fontsize=7)
+        _save(fig, out_dir / "accuracy_vs_steps.png")
+        md.append("## Downstream accuracy (linear probe)\n\n![accuracy](accuracy_vs_steps.png)\n")
+
+    # 3. accuracy vs model size at equal loss
+    sized = [r for r in runs if r.num_params and r.probe()]
+    if len({r.num_params for r in sized}) > 1:
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for t in tasks:
+            pts = sorted((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t))
+            ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
+                        [100 * e["accuracy_std"] for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
+        for r in sized:
+            if r.evals:
+                ax.annotate(f"L={r.evals[-1]['eval/loss']:.3f}", (r.num_params, 100 * r.probe()[max(r.probe())]
+                                                                  ["accuracy"]), fontsize=7)
+        ax.set(xscale="log", xlabel="parameters", ylabel="probe accuracy (%)", title="accuracy vs size")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / "accuracy_vs_size.png")
+        md.append("## Accuracy vs model size (final checkpoints; exact loss annotated)\n\n"
+                  "![size](accuracy_vs_size.png)\n")
+
+    # 4. Tr(H) vs accuracy with rank correlation
+    pairs = []
+    for r in runs:
+        fl = r.by_kind("flatness")
+        for step, e in r.probe(tasks[0] if tasks else None).items():
+            if step in fl:
+                pairs.append((fl[step]["trace"], e["accuracy"], r.name))
+    if len(pairs) >= 3:
+        rho, lo, hi = spearman_with_ci([p[0] for p in pairs], [p[1] for p in pairs])
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for name in sorted({p[2] for p in pairs}):
+            pts = [p for p in pairs if p[2] == name]
+            ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=name, s=18)
+        ax.set(xlabel="Tr(H)", ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
+               title=f"Spearman ρ = {rho:.2f} [{lo:.2f}, {hi:.2f}]")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / "flatness_vs_accuracy.png")
+        md.append(f"## Flatness vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval [{lo:.3f}, {hi:.3f}]"
+                  f" over {len(pairs)} checkpoints.\n\n![flatness](flatness_vs_accuracy.png)\n")
+
+    # 5. Table 1/2 layout: last checkpoint of every run, plus the lookup table
+    header = ["run", "params", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
+             [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+    rows = []
+    for r in runs:
+        ex = r.by_kind("exact_loss")
+        last = max(ex) if ex else None
+        probe_cells = []
+        for t in tasks:
+            p = r.probe(t)
+            probe_cells.append(_pm(p[max(p)]["accuracy"], p[max(p)]["accuracy_std"]) if p else "-")
+        ft_cells = []
+        for t in tasks:
+            f = {e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t}
+            ft_cells.append(_pm(f[max(f)]["accuracy"], f[max(f)]["accuracy_std"]) if f else "-")
+        fl = r.by_kind("flatness")
+        tr = f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
+        loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
+        kl = f"{ex[last]['kl']:.2e}" if last is not None else "-"
+        rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, tr])
+    for t in tasks:
+        look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
+        if look:
+            cells = ["-"] * len(tasks)
+            cells[tasks.index(t)] = _pm(look[-1]["accuracy"], look[-1]["accuracy_std"])
+            ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
+            rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
+                         *(["-"] * len(tasks)), "-"])
+    md.append("## Table (last checkpoint of each run; mean ± std over seeds)\n")
+    md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    path = out_dir / "report.md"
+    tmp = out_dir / ".report.md.tmp"
+    tmp.write_text("\n".join(md) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="markdown report with plots from finished runs or experiments")
+    p.add_argument("dirs", nargs="+", help="run or experiment workdirs")
+    p.add_argument("--out", default=None, help="output folder (default: <first dir>/report)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    path = make_report(args.dirs, args.out)
+    if args.json:
+        print(json.dumps({"report": str(path), "plots": sorted(str(p) for p in path.parent.glob("*.png"))}))
+    else:
+        print(path.read_text())
+        print(f"written: {path}")
+    return 0
