@@ -248,7 +248,10 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
         state = init_state(run)
     step_fn = jit_train_step(run, objective or mlm_objective)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))  # test hook: die like a preempted VM
+    # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
+    kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
+    if os.environ.get("FLATLM_DEBUG_SIGKILL_WORKDIR", "") not in os.path.abspath(workdir):
+        kill_at = -1
     last_eval: dict = {}
     pending = None  # (step, device metrics) of the previous step, pulled after the next dispatch
     last_saved = start

@@ -1,0 +1,76 @@
+"""Experiment runner (resumable after SIGKILL), the continue-after-convergence schedule, and the report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flatlm import checkpoint as ckpt
+from flatlm.report import spearman_with_ci
+from flatlm.train.loop import ConvergenceWatch
+
+from conftest import REPO, run_cli
+
+EXPERIMENT = '''
+from flatlm.config import load_config
+from flatlm.experiment import experiment_config
+
+def get_config(arg="tiny"):
+    base = load_config("{tiny}")
+    base.train.update(steps=20, eval_every=10)
+    base.checkpoint.every = 10
+    base.data.data_dir = "{data}"
+    return experiment_config("toy", base, [("a", []), ("b", ["--config.model.d_model=32"])], evaluate=False)
+'''
+
+
+class _Ckpt:
+    after_convergence = True
+    convergence_patience = 2
+    convergence_tol = 0.02
+    log_factor = 2.0
+
+
+def test_convergence_watch_pins_log_spaced_steps_after_the_kl_plateau(tmp_path):
+    pinned = ckpt.PinnedSteps((7,))
+    watch = ConvergenceWatch(_Ckpt, 1000, str(tmp_path), pinned)
+    for step, kl in [(10, 1.0), (20, 0.5), (30, 0.3), (40, 0.299), (50, 0.2999), (60, 0.1)]:
+        watch.update(step, kl)
+    assert watch.state["converged_at"] == 50  # two evals in a row without a 2% gain
+    assert watch.state["log_steps"] == [50, 100, 200, 400, 800]
+    assert pinned.steps == {7, 50, 100, 200, 400, 800}
+    again = ckpt.PinnedSteps()
+    ConvergenceWatch(_Ckpt, 1000, str(tmp_path), again)  # a resumed run reads its schedule back
+    assert again.steps == {50, 100, 200, 400, 800}
+
+
+def test_spearman_bootstrap_interval():
+    rho, lo, hi = spearman_with_ci([1, 2, 3, 4, 5, 6], [2, 4, 5, 7, 8, 20])
+    assert rho == pytest.approx(1.0) and lo == pytest.approx(1.0) and hi == pytest.approx(1.0)
+    x = np.random.default_rng(0).normal(size=200)
+    rho, lo, hi = spearman_with_ci(x, -x + 0.01 * np.random.default_rng(1).normal(size=200))
+    assert rho < -0.99 and lo <= rho <= hi
+
+
+def test_experiment_resumes_after_sigkill_without_redoing_finished_runs(tmp_path):
+    cfg = tmp_path / "toy.py"
+    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    wd = tmp_path / "exp"
+    proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet",
+                   env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "15", "FLATLM_DEBUG_SIGKILL_WORKDIR": "runs/b"})
+    assert proc.returncode == -9
+    assert (wd / "runs" / "a" / "DONE").exists() and not (wd / "runs" / "b" / "DONE").exists()
+    a_files = {p: p.stat().st_mtime_ns for p in (wd / "runs" / "a").rglob("*") if p.is_file()}
+    proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["runs"] == {"a": "done earlier", "b": "finished"}
+    assert a_files == {p: p.stat().st_mtime_ns for p in (wd / "runs" / "a").rglob("*") if p.is_file()}
+    b_rows = [json.loads(x) for x in (wd / "runs" / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b_rows if "eval/loss" in r] == [10, 20]  # resumed at 10, not restarted
+    rep = run_cli("report", str(wd), "--json")
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    text = (wd / "report" / "report.md").read_text()
+    assert "| a |" in text and "| b |" in text and any(p.endswith("loss_vs_steps.png") for p in report["plots"])
