@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import REPO, run_cli
 
 from flatlm import checkpoint as ckpt
 from flatlm.report import spearman_with_ci
 from flatlm.train.loop import ConvergenceWatch
-
-from conftest import REPO, run_cli
 
 EXPERIMENT = '''
 from flatlm.config import load_config

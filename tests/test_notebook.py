@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import nbformat
-from nbclient import NotebookClient
-
 from conftest import REPO
+from nbclient import NotebookClient
 
 
 def test_quickstart_notebook_executes():
