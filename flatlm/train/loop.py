@@ -73,6 +73,21 @@ class Run:
         return pipeline.eval_batches(self.sources["validation"], bs, limit,
                                      jax.process_index(), jax.process_count())
 
+    def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0, masking: str = "single") -> list[dict]:
+        """Masked validation sentences in the MLM batch format (tokens/targets/weights), e.g. for flatness.
+
+        Deterministic in `seed`; batches are disjoint as long as the validation split is large enough.
+        """
+        from flatlm.data.masking import mask_batch
+
+        rng = np.random.default_rng(seed)
+        out = []
+        for batch in self.eval_batches(batch_size, limit=num_batches * batch_size):
+            out.append(mask_batch(batch["tokens"], batch["length"], self.num_words, rng, masking=masking,
+                                  mask_prob=self.config.data.mask_prob,
+                                  max_predictions=self.config.data.max_predictions))
+        return out
+
     @property
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint, ascending."""

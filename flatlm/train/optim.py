@@ -24,8 +24,15 @@ def schedule(train) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only (not biases, LayerNorm scales), as in BERT."""
-    return jax.tree.map(lambda p: getattr(p, "ndim", len(getattr(p, "shape", ()))) >= 2, params)
+    """Weight decay on weight matrices and embeddings only: no biases (whatever their rank, e.g. the fused
+    qkv_bias[3, H, Dh]) and no LayerNorm scales, as in BERT."""
+
+    def decay(path, p) -> bool:
+        keys = [str(k.key) for k in path if hasattr(k, "key")]  # dict keys (skips a logical box's `.value`)
+        name = keys[-1].lower() if keys else ""
+        return len(getattr(p, "shape", ())) >= 2 and "bias" not in name
+
+    return jax.tree_util.tree_map_with_path(decay, params)
 
 
 def optimizer(train) -> optax.GradientTransformation:

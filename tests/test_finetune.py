@@ -1,0 +1,71 @@
+"""Fine-tuning on the CLS position: learns, moves exactly the encoder leaves it uses, checks max_len."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flatlm.errors import UserError
+from flatlm.evaluate import finetune as ft
+from flatlm.models import Bert, BertConfig, BiLSTM, LSTMConfig
+
+V, T = 12, 8
+
+
+def _data(n, seed=0):
+    tokens_NT = np.random.default_rng(seed).integers(0, V, (n, T)).astype(np.int32)
+    return tokens_NT, (tokens_NT[:, 2] % 3).astype(np.int32)  # the label is a function of one word
+
+
+def _init(model, length):
+    return nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"])
+
+
+def test_add_cls():
+    out = ft.add_cls(np.array([[1, 2], [3, V]]), V)
+    np.testing.assert_array_equal(out, [[V + 2, 1, 2], [V + 2, 3, V]])
+
+
+def test_finetune_moves_the_encoder():
+    model = Bert(BertConfig(num_words=V, max_len=T + 1, d_model=32, num_layers=1, num_heads=2))
+    params = _init(model, T + 1)
+    before = jax.tree.map(np.array, params)
+    tok, y = _data(320)
+    tokens, labels = {"train": tok[:256], "test": tok[256:]}, {"train": y[:256], "test": y[256:]}
+    cfg = ft.FinetuneConfig(epochs=12, batch_size=32, warmup_steps=10, learning_rate=1e-3, num_seeds=2)
+    out, tuned = ft.finetune(model, params, tokens, labels, cfg, return_params=True, progress=False)
+    json.dumps(out)
+    assert len(tuned) == 2 and tuned[0]["head"]["w"].shape == (32, 3)
+    assert out["accuracy"]["train"]["mean"] > 0.9  # chance is 1/3
+    # every leaf the classifier uses moved; the unused MLM head is frozen and did not
+    frozen = set(out["frozen"])
+    assert frozen == {"encoder/head_bias", "encoder/head_dense", "encoder/head_dense_bias",
+                      "encoder/head_ln/norm/bias", "encoder/head_ln/norm/scale"}
+    for path, old in jax.tree_util.tree_leaves_with_path(before):
+        name = "encoder/" + "/".join(k.key for k in path)
+        new = tuned[0]["encoder"]
+        for k in path:
+            new = new[k.key]
+        assert np.array_equal(old, np.asarray(new)) == (name in frozen), name
+    # the caller's params were neither donated nor modified
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, params))
+    # (the probe's side: tests/test_probe.py::test_probe_checkpoint_leaves_params_untouched)
+
+
+def test_finetune_needs_room_for_cls():
+    model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=1))
+    tok, y = _data(16)
+    with pytest.raises(UserError, match=r"max_len >= 9"):
+        ft.finetune(model, None, {"train": tok}, {"train": y}, ft.FinetuneConfig(epochs=1), progress=False)
+
+
+@pytest.mark.slow
+def test_finetune_bilstm():
+    model = BiLSTM(LSTMConfig(num_words=V, max_len=T + 1, d_hidden=16, num_layers=1))
+    tok, y = _data(96)
+    out = ft.finetune(model, _init(model, T + 1), {"train": tok}, {"train": y},
+                      ft.FinetuneConfig(epochs=2, batch_size=32, num_seeds=1), progress=False)
+    assert 0.0 <= out["accuracy"]["train"]["mean"] <= 1.0 and "encoder/head/kernel" in out["frozen"]
