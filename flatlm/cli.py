@@ -18,7 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from flatlm.errors import UserError  # noqa: E402
 
 # Modules that register more verbs with `add_parser(subparsers)`.
-VERB_MODULES: tuple[str, ...] = ("flatlm.evaluate.runner", "flatlm.experiment", "flatlm.report")
+VERB_MODULES: tuple[str, ...] = (
+    "flatlm.evaluate.runner", "flatlm.experiment", "flatlm.report", "flatlm.theory.cli",
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,7 +18,7 @@ PSI_KEYS = ("Q", "K", "V")
 
 def init_params(key: jax.Array, T: int, m: int, d_attn: int = 0, v_std: float = 1.0, u_std: float = 1.0,
                 qk_std: float = 0.1, dtype=None) -> Params:
-    """Gaussian initialisation: Q, K ~ N(0, qk_std^2) [d, 2T] (d = d_attn or 2T), V ~ N(0, v_std^2), u ~ N(0, u_std^2)."""
+    """Gaussian init: Q, K ~ N(0, qk_std^2) [d, 2T] (d = d_attn or 2T), V ~ N(0, v_std^2) [m, 2T], u ~ N(0, u_std^2)."""
     d = d_attn or 2 * T
     dtype = dtype or jnp.zeros(()).dtype  # float64 under enable_x64, float32 otherwise
     kq, kk, kv, ku = jax.random.split(key, 4)

@@ -1,0 +1,46 @@
+"""`flatlm theory dyck` on a tiny setting, in-process through argparse."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from flatlm.errors import UserError
+from flatlm.theory import cli
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flatlm")
+    cli.add_parser(parser.add_subparsers(dest="verb", required=True))
+    return parser.parse_args(list(argv))
+
+
+def test_theory_dyck_writes_png_and_json(tmp_path, capsys):
+    args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--seeds", "0", "1", "--steps", "20",
+                  "--probes", "0", "--out", str(tmp_path), "--json")
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
+    assert out == json.loads((tmp_path / cli.RESULTS_NAME).read_text())
+    assert (tmp_path / cli.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {(r["solution"], r["seed"]): r for r in out["solutions"]}
+    assert set(rows) == {("transferable", 0), ("transferable", 1), ("random_features", 0),
+                         ("random_features", 1), ("sgd", 0), ("sgd_trace_penalty", 0)}
+    assert rows[("transferable", 0)]["pretrain_loss"] < 1e-10
+    assert rows[("transferable", 0)]["trace"] < rows[("random_features", 0)]["trace"]
+    assert len(out["training"]["sgd"]["history"]["step"]) == 21
+
+
+def test_theory_dyck_table_and_user_errors(tmp_path, capsys):
+    args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--seeds", "0", "--steps", "0", "--probes", "2",
+                  "--out", str(tmp_path))
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "Tr(H) Hutchinson" in table and "random_features" in table and "transferable" in table
+    with pytest.raises(UserError, match="even"):
+        args = _parse("theory", "dyck", "--T", "5", "--out", str(tmp_path))
+        args.func(args)
+    with pytest.raises(UserError, match="--samples"):
+        args = _parse("theory", "dyck", "--T", "16", "--out", str(tmp_path))
+        args.func(args)
