@@ -1,0 +1,192 @@
+"""The result type every trace estimator returns, the variance bookkeeping behind its standard errors, and the
+parameter groups that per-group traces are reported over.
+
+Samples come in batches: for each data batch b an estimator draws n_b scalar samples (probes, label draws or
+contexts) whose mean is unbiased for that batch's trace. The population trace is the mean over batches of the
+per-batch traces, so two sources of noise mix: the estimator's own randomness (probe variance) and which batches
+were drawn (data variance). `summarize` reports both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GroupFn = Callable[[tuple[str, ...]], str]  # parameter path, e.g. ("layer_0", "attn", "qkv") -> group name
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEstimate:
+    """A trace (e.g. Tr(Hessian) of a loss in nats, per unit parameter squared) with its standard error.
+
+    mean, stderr: the estimate and its standard error. With several data batches the stderr treats the batches as
+      independent draws from the data (it contains probe and data noise); with one batch it is the probe stderr.
+    num_samples: scalar samples averaged in all (probes x batches, draws x batches, contexts, ...).
+    method: "exact", "hutchinson", "hutchpp", "fisher_per_sample", "fisher_summed", "empirical_fisher", ...
+    num_batches: data batches the population quantity averages over.
+    probe_stderr: stderr from the estimator's own randomness alone, data held fixed (the right error bar for the
+      trace of the loss over exactly these batches). For the empirical Fisher the within-batch samples are contexts,
+      so this is a within-batch data stderr. None where it cannot be estimated (one sample per batch).
+    data_std: standard deviation across batches of the per-batch trace itself, probe noise subtracted (None with
+      one batch).
+    sample_std: pooled within-batch standard deviation of one sample (for Rademacher Hutchinson it estimates
+      sqrt(2 (||H||_F^2 - sum_i H_ii^2))).
+    per_group, per_group_stderr: traces of the diagonal blocks of the parameter groups; they sum to `mean`.
+    trace_sq, trace_sq_stderr: Tr(H^2) = ||H||_F^2 (Hutchinson: E||Hv||^2), None where not computed.
+    """
+
+    mean: float
+    stderr: float
+    num_samples: int
+    method: str = ""
+    num_batches: int = 1
+    probe_stderr: float | None = None
+    data_std: float | None = None
+    sample_std: float | None = None
+    per_group: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    per_group_stderr: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    trace_sq: float | None = None
+    trace_sq_stderr: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (NaN becomes None)."""
+        clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = {k: clean(float(x)) for k, x in v.items()} if isinstance(v, Mapping) else clean(v)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Moments:
+    mean: float
+    stderr: float
+    probe_stderr: float | None
+    data_std: float | None
+    sample_std: float | None
+
+
+def _moments(per_batch: Sequence[np.ndarray]) -> _Moments:
+    """Mean of per-batch means, with total, within-batch (probe) and between-batch (data) spreads."""
+    xs = [np.asarray(x, np.float64).reshape(-1) for x in per_batch]
+    B = len(xs)
+    m_b = np.array([x.mean() for x in xs])
+    n_b = np.array([x.size for x in xs])
+    mean = float(m_b.mean())
+    if np.all(n_b > 1):
+        var_b = np.array([x.var(ddof=1) for x in xs])
+        probe_se = float(np.sqrt(np.sum(var_b / n_b)) / B)
+        sample_std = float(np.sqrt(var_b.mean()))
+        noise_of_mean_b = float(np.mean(var_b / n_b))
+    else:
+        probe_se = sample_std = None
+        noise_of_mean_b = 0.0
+    if B == 1:
+        stderr = probe_se if probe_se is not None else float("nan")
+        data_std = None
+    else:
+        between = float(m_b.var(ddof=1))
+        stderr = math.sqrt(between / B)
+        data_std = math.sqrt(max(0.0, between - noise_of_mean_b))
+    return _Moments(mean, stderr, probe_se, data_std, sample_std)
+
+
+def summarize(
+    group_samples: Sequence[np.ndarray],
+    group_names: Sequence[str],
+    *,
+    method: str,
+    sq_samples: Sequence[np.ndarray] | None = None,
+    offset_per_group: np.ndarray | None = None,
+) -> TraceEstimate:
+    """Build a TraceEstimate from per-batch samples.
+
+    group_samples: one array [n_b, G] per batch; row j holds sample j split over the G parameter groups
+      (the total sample is the row sum). offset_per_group: a deterministic part added to the estimate
+      (Hutch++'s low-rank trace). sq_samples: per-batch [n_b] samples of Tr(H^2).
+    """
+    gs = [np.asarray(g, np.float64).reshape(np.shape(g)[0], -1) for g in group_samples]
+    off = np.zeros(len(group_names)) if offset_per_group is None else np.asarray(offset_per_group, np.float64)
+    total = _moments([g.sum(axis=1) for g in gs])
+    per_group, per_group_se = {}, {}
+    for j, name in enumerate(group_names):
+        mj = _moments([g[:, j] for g in gs])
+        per_group[name] = mj.mean + float(off[j])
+        per_group_se[name] = mj.stderr
+    sq = _moments(sq_samples) if sq_samples is not None else None
+    return TraceEstimate(
+        mean=total.mean + float(off.sum()),
+        stderr=total.stderr,
+        num_samples=int(sum(g.shape[0] for g in gs)),
+        method=method,
+        num_batches=len(gs),
+        probe_stderr=total.probe_stderr,
+        data_std=total.data_std,
+        sample_std=total.sample_std,
+        per_group=per_group,
+        per_group_stderr=per_group_se,
+        trace_sq=None if sq is None else sq.mean,
+        trace_sq_stderr=None if sq is None else sq.stderr,
+    )
+
+
+def _path_names(path) -> tuple[str, ...]:
+    names = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                names.append(str(getattr(k, attr)))
+                break
+        else:
+            names.append(str(k))
+    return tuple(names)
+
+
+def top_level_group(path: tuple[str, ...]) -> str:
+    """Default grouping: the top-level parameter key ("tok_embed", "layer_0", "head_dense", ...)."""
+    return path[0] if path else "params"
+
+
+def leaf_group(path: tuple[str, ...]) -> str:
+    """One group per parameter tensor, named by its '/'-joined path."""
+    return "/".join(path) or "params"
+
+
+def param_groups(params, groups: GroupFn | str | None = None) -> tuple[list[str], list[int]]:
+    """Group names (in first-seen leaf order) and, per leaf of `jax.tree.leaves(params)`, its group index.
+
+    groups: None or "top" (top-level keys), "leaf" (every tensor), or a function of the path tuple.
+    """
+    fn = {None: top_level_group, "top": top_level_group, "leaf": leaf_group}.get(groups, groups)
+    if not callable(fn):
+        raise ValueError(f"groups must be None, 'top', 'leaf' or a callable, got {groups!r}")
+    names: list[str] = []
+    ids: list[int] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = str(fn(_path_names(path)))
+        if name not in names:
+            names.append(name)
+        ids.append(names.index(name))
+    return names, ids
+
+
+def acc_dtype(x) -> jnp.dtype:
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def group_dots(a, b, leaf_ids: Sequence[int], num_groups: int) -> jax.Array:
+    """[G] sums over each parameter group of a . b (accumulated in at least float32)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    dots = [jnp.sum(x.astype(acc_dtype(x)) * y.astype(acc_dtype(x))) for x, y in zip(la, lb)]
+    acc = jnp.result_type(*dots) if dots else jnp.float32
+    out = [jnp.zeros((), acc)] * num_groups
+    for d, g in zip(dots, leaf_ids):
+        out[g] = out[g] + d.astype(acc)
+    return jnp.stack(out)

@@ -1,0 +1,196 @@
+"""Function-preserving growth of a trained small BERT into a larger one (paper Appendix B.4), so flatness can be
+compared across model sizes at exactly the same function.
+
+Width x k (k = d_model' / d_model, an integer). The residual stream is replicated: x' = tile(x) = [x, x, ..., x].
+- Embeddings (token, position) are tiled, unscaled, so the stream starts replicated.
+- LayerNorm commutes with replication: the mean and variance of k copies of x are those of x (the epsilon too),
+  so LN with tiled scale/bias maps tile(x) to tile(LN(x)) exactly.
+- Every weight that reads the stream (qkv, mlp.wi, head.dense) is tiled along its input axis and divided by k, so
+  its dot products are unchanged; weights that write to the stream (attn.out, mlp.wo) are tiled along their output
+  axis, so they write replicated outputs; biases of replicated axes are tiled.
+- Heads. With the paper's fixed head size 64, k x width means m = k x heads: heads are duplicated, and the output
+  projection, which now sums m copies of every head, is divided by m. If instead the head size grows (r = Dh'/Dh),
+  q, k, v are replicated inside each head, q is scaled by 1/sqrt(r) so that q.k / sqrt(Dh') is unchanged, and the
+  output projection is divided by r. In general m * r = k, and out is divided by k.
+- Hidden MLP units are replicated k_f = d_ff' / d_ff times; mlp.wo is divided by k_f.
+- Tied output embedding: logits = h . E^T with E tiled would be k times too large, so the head's LayerNorm scale
+  and bias are divided by k (the tied matrix cannot be scaled on one side only).
+Exact (up to floating-point summation order) for pre-LN and post-LN.
+
+Depth +n layers.
+- Pre-LN: new blocks with zero output projections (attn.out, out_bias, mlp.wo, bo) add 0 to the residual stream:
+  exact. Their other weights are zero (default) or freshly initialised (`key`).
+- Post-LN: the paper's recipe (new blocks with zero branches, everything else copied) is NOT exact. A zero-branch
+  post-LN block maps x to LN_2(LN_1(x)) with the previous block's output x = g * n + b (n centred, unit variance;
+  g, b the preceding LayerNorm's scale and bias). LN_2's output is g_2 * z + b_2 with z centred and unit-variance,
+  so equality for every n needs g_2 = g, b_2 = b and z = n, i.e. the centred LN_1(x) proportional to n, which holds
+  for all n only if g and b are constant across features (LN_1(x) = g_1 * (g * n + C b - mean(g * n)) / sigma + b_1,
+  and neither the data-dependent mean(g * n) / sigma nor C b, the centred b, is proportional to n). A trained
+  LayerNorm has non-constant g, b, and the residual branches cannot repair it exactly: they would have to compute
+  the per-token 1 / sigma(x), an algebraic function of the input that a GELU MLP only approximates.
+  flatlm's exact construction instead reparameterises: the preceding LayerNorm (the last small block's mlp_ln,
+  or embed_ln without layers) is reset to scale 1, bias 0, its (g, b) move to the last new block's mlp_ln, and all
+  other new LayerNorms are (1, 0). Every inserted LayerNorm then sees an already-normalised vector, and
+  LN(n) = n up to the epsilon: the relative error is about eps / (2 var) (1e-12 / var for BERT's eps = 1e-12,
+  far below float32 resolution), and zero with eps = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flatlm.models.bert import TABLE3, BertConfig
+
+# Embedding targets for comparing Table 3 shapes at one size: each target is the least common multiple of the
+# members' widths, with the largest member depth. name: (num_layers, d_model) of the target.
+TABLE4_MEMBERS: dict[str, tuple[str, ...]] = {
+    "L8-H512": ("L1-H64", "L2-H128", "L4-H128", "L4-H256", "L4-H512", "L8-H512"),
+    "L12-H1536": ("L4-H256", "L4-H512", "L8-H512", "L12-H768"),
+    "L24-H1536": ("L8-H512", "L12-H768", "L24-H1536"),
+    "L24-H3072": tuple(TABLE3),
+}
+
+
+def lcm_shape(names: Iterable[str]) -> tuple[int, int]:
+    """(max num_layers, lcm of d_model) over Table 3 shape names: the smallest target that embeds them all."""
+    shapes = [TABLE3[n] for n in names]
+    return max(L for L, _ in shapes), math.lcm(*(d for _, d in shapes))
+
+
+TABLE4: dict[str, tuple[int, int]] = {name: lcm_shape(members) for name, members in TABLE4_MEMBERS.items()}
+
+
+def grown_config(small: BertConfig, *, d_model: int, num_layers: int) -> BertConfig:
+    """`small` at a larger width/depth, keeping its head size (so heads are duplicated) and d_ff / d_model."""
+    k = d_model // small.d_model
+    return dataclasses.replace(
+        small,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=small.num_heads * k if small.num_heads else 0,
+        d_ff=small.d_ff * k if small.d_ff else 0,
+    )
+
+
+def _ratio(big: int, small: int, what: str) -> int:
+    if big < small or big % small:
+        raise ValueError(f"{what}: the big model's {big} must be an integer multiple of the small model's {small}")
+    return big // small
+
+
+def _check(small: BertConfig, big: BertConfig) -> tuple[int, int, int, int]:
+    for field in ("num_words", "ln_mode", "gelu_approximate", "ln_eps"):
+        if getattr(small, field) != getattr(big, field):
+            raise ValueError(f"{field} differs: {getattr(small, field)!r} vs {getattr(big, field)!r}")
+    if big.max_len < small.max_len:
+        raise ValueError(f"max_len {big.max_len} < small model's {small.max_len}")
+    if big.num_layers < small.num_layers:
+        raise ValueError(f"num_layers {big.num_layers} < small model's {small.num_layers}")
+    k = _ratio(big.d_model, small.d_model, "d_model")
+    m = _ratio(big.heads, small.heads, "num_heads")
+    r = _ratio(big.head_dim, small.head_dim, "head_dim")
+    kf = _ratio(big.ff, small.ff, "d_ff")
+    assert m * r == k
+    return k, m, r, kf
+
+
+def _ln(p: Mapping[str, Any], k: int, div: float = 1.0) -> dict:
+    return {"norm": {"scale": jnp.tile(p["norm"]["scale"], k) / div, "bias": jnp.tile(p["norm"]["bias"], k) / div}}
+
+
+def _widen_layer(p: Mapping[str, Any], k: int, m: int, r: int, kf: int) -> dict:
+    a, f = p["attn"], p["mlp"]
+    q_scale = jnp.array([1.0 / math.sqrt(r), 1.0, 1.0], a["qkv"].dtype)  # keeps q.k / sqrt(head_dim) unchanged
+    qkv = jnp.tile(a["qkv"], (k, 1, m, r)) / k * q_scale[None, :, None, None]
+    qkv_bias = jnp.tile(a["qkv_bias"], (1, m, r)) * q_scale[:, None, None]
+    return {
+        "attn_ln": _ln(p["attn_ln"], k),
+        "attn": {
+            "qkv": qkv,
+            "qkv_bias": qkv_bias,
+            "out": jnp.tile(a["out"], (m, r, k)) / (m * r),
+            "out_bias": jnp.tile(a["out_bias"], k),
+        },
+        "mlp_ln": _ln(p["mlp_ln"], k),
+        "mlp": {
+            "wi": jnp.tile(f["wi"], (k, kf)) / k,
+            "bi": jnp.tile(f["bi"], kf),
+            "wo": jnp.tile(f["wo"], (kf, k)) / kf,
+            "bo": jnp.tile(f["bo"], k),
+        },
+    }
+
+
+def _identity_ln(d: int, dtype) -> dict:
+    return {"norm": {"scale": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)}}
+
+
+def _new_layer(cfg: BertConfig, key: jax.Array | None, dtype, init_scale: float) -> dict:
+    """A block whose residual branches output exactly 0 (zero attn.out, mlp.wo and their biases)."""
+    D, H, Dh, F = cfg.d_model, cfg.heads, cfg.head_dim, cfg.ff
+    z = lambda *s: jnp.zeros(s, dtype)
+    if key is None:
+        qkv, wi = z(D, 3, H, Dh), z(D, F)
+    else:
+        kq, kw = jax.random.split(key)
+        qkv = init_scale * jax.random.normal(kq, (D, 3, H, Dh), dtype)
+        wi = init_scale * jax.random.normal(kw, (D, F), dtype)
+    return {
+        "attn_ln": _identity_ln(D, dtype),
+        "attn": {"qkv": qkv, "qkv_bias": z(3, H, Dh), "out": z(H, Dh, D), "out_bias": z(D)},
+        "mlp_ln": _identity_ln(D, dtype),
+        "mlp": {"wi": wi, "bi": z(F), "wo": z(F, D), "bo": z(D)},
+    }
+
+
+def embed(
+    small_params: Mapping[str, Any],
+    small_config: BertConfig,
+    big_config: BertConfig,
+    *,
+    key: jax.Array | None = None,
+    init_scale: float = 0.02,
+) -> dict:
+    """Parameters for `big_config` computing the same logits as the small model (see the module docstring).
+
+    big_config must have the same num_words, ln_mode, GELU and ln_eps; integer multiples of d_model, heads,
+    head_dim and d_ff; at least as many layers (new blocks are appended after the small model's) and positions
+    (extra position rows are zero). New blocks' input-side weights (qkv, mlp.wi) are zero, or N(0, init_scale^2)
+    when `key` is given; their outputs are zero either way.
+    """
+    k, m, r, kf = _check(small_config, big_config)
+    dt = jnp.dtype(big_config.param_dtype)
+    p = small_params
+    pos = jnp.tile(p["pos_embed"], (1, k))
+    out: dict[str, Any] = {
+        "tok_embed": jnp.tile(p["tok_embed"], (1, k)),
+        "pos_embed": jnp.zeros((big_config.max_len, big_config.d_model), pos.dtype).at[: small_config.max_len].set(pos),
+        "head_dense": jnp.tile(p["head_dense"], (k, k)) / k,
+        "head_dense_bias": jnp.tile(p["head_dense_bias"], k),
+        "head_ln": _ln(p["head_ln"], k, div=k),  # tied output embedding: undo the k of tile(h) . tile(E)
+        "head_bias": p["head_bias"],
+    }
+    ln_name = "final_ln" if small_config.ln_mode == "pre" else "embed_ln"
+    out[ln_name] = _ln(p[ln_name], k)
+    L = small_config.num_layers
+    for i in range(L):
+        out[f"layer_{i}"] = _widen_layer(p[f"layer_{i}"], k, m, r, kf)
+    for i in range(L, big_config.num_layers):
+        lk = None if key is None else jax.random.fold_in(key, i)
+        out[f"layer_{i}"] = _new_layer(big_config, lk, dt, init_scale)
+    if small_config.ln_mode == "post" and big_config.num_layers > L:
+        # Move the preceding LayerNorm's affine to the last new block; all inserted LayerNorms are then (1, 0).
+        prev = out[f"layer_{L - 1}"]["mlp_ln"] if L else out["embed_ln"]
+        out[f"layer_{big_config.num_layers - 1}"]["mlp_ln"] = {"norm": dict(prev["norm"])}
+        identity = _identity_ln(big_config.d_model, dt)
+        if L:
+            out[f"layer_{L - 1}"]["mlp_ln"] = identity
+        else:
+            out["embed_ln"] = identity
+    return jax.tree.map(lambda x: jnp.asarray(x, dt), out)

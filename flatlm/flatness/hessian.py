@@ -1,0 +1,299 @@
+"""Hessian-vector products and trace estimators for any `loss_fn(params) -> scalar` over a parameter pytree.
+
+- `hvp` is forward-over-reverse (`jax.jvp` of `jax.grad`): pytree in, pytree out, jit- and sharding-friendly.
+- `hutchinson_trace` streams data batches and probe chunks, so memory stays at a few parameter copies, and reports
+  mean, standard error (probe and data noise apart), per-group traces and Tr(H^2), all from the same products.
+- `hutchpp_trace` (Hutch++) for positive semi-definite operators such as the Fisher / Gauss-Newton matrix.
+- `exact_trace` / `exact_hessian` via `jax.hessian` on the raveled parameters, for tiny models and tests.
+- `fisher_trace` (re-exported from `flatlm.flatness.fisher`): the paper's Appendix B.1 estimator.
+
+Probes: probe i of data batch b uses key fold_in(fold_in(key, b), i), and each parameter tensor folds in its own
+leaf index (`probe_like`), so tensors get independent probes; each device generates only its own shard of every
+probe, and the values do not depend on the mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from flatlm.flatness.estimates import GroupFn, TraceEstimate, acc_dtype, group_dots, param_groups, summarize
+from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.flatness.hessian.fisher_trace)
+    empirical_fisher_trace,
+    exact_fisher_trace,
+    fisher_trace,
+    fisher_vp,
+)
+
+Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
+LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
+MatvecFn = Callable[..., Params]  # matvec(params, v) or matvec(params, v, batch) -> A v
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """lowbias32 (C. Wellons): a bijective avalanche mixer on uint32."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash_bits(seed_2: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32[shape] keyed by seed_2 (2 x uint32) at every element's linear index.
+
+    Elementwise in broadcasted iotas, so a sharded consumer makes each device hash only its own shard.
+    """
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    x = _mix32(idx ^ seed_2[0])
+    x = _mix32(x + seed_2[1])
+    return _mix32(x ^ (seed_2[0] * jnp.uint32(0x9E3779B9)))
+
+
+def _leaf_seeds(key: jax.Array, num_leaves: int) -> jax.Array:
+    """uint32[num_leaves, 2]: fold_in(key, i) for every leaf index i, in one vectorised threefry call."""
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_leaves, dtype=jnp.uint32))
+    return jax.random.key_data(keys).reshape(num_leaves, -1)[:, :2].astype(jnp.uint32)
+
+
+def probe_like(key: jax.Array, params: Params, kind: str = "rademacher", shardings: Any = None) -> Params:
+    """A random probe with the structure, shapes and dtypes of `params`; E[v] = 0, E[v v^T] = I.
+
+    kind: "rademacher" (+-1, the minimum-variance Hutchinson probe) or "gaussian" (N(0, 1), as in the released
+    code; 24-bit inverse-CDF, so |v| < 5.4). Leaf i is keyed by fold_in(key, i), so tensors get independent
+    probes; within a leaf, element j is a keyed hash of (leaf key, j). (Not jax.random's per-tensor threefry: one
+    threefry kernel per tensor costs ~0.5 s of XLA compile on CPU, ~100 s for a 12-layer BERT; the hash fuses
+    into the consumer.) The values do not depend on the mesh, and each device generates only its own shard.
+    `shardings` (optional pytree of shardings matching params) pins each probe to its parameter's layout.
+    """
+    return _probe(key, params, kind, _shard_leaves(params, shardings))
+
+
+def _shard_leaves(params: Params, shardings: Any) -> tuple | None:
+    """Per-leaf shardings as a hashable tuple (a static jit argument), or None."""
+    if shardings is None:
+        return None
+    return tuple(jax.tree.structure(params).flatten_up_to(shardings))
+
+
+def _probe(key: jax.Array, params: Params, kind: str, shard: tuple | None) -> Params:
+    if kind not in ("rademacher", "gaussian"):
+        raise ValueError(f"kind must be 'rademacher' or 'gaussian', got {kind!r}")
+    leaves, treedef = jax.tree.flatten(params)
+    shard = shard if shard is not None else (None,) * len(leaves)
+    seeds = _leaf_seeds(key, len(leaves))
+    out = []
+    for i, (x, s) in enumerate(zip(leaves, shard)):
+        bits = _hash_bits(seeds[i], tuple(x.shape))
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        if kind == "rademacher":
+            v = (1 - 2 * (bits >> 31).astype(jnp.int32)).astype(acc)
+        else:
+            u = ((bits >> 8).astype(acc) + 0.5) * (2.0**-24)
+            v = jnp.sqrt(2.0).astype(acc) * jax.lax.erf_inv(2 * u - 1)
+        v = v.astype(x.dtype)
+        out.append(v if s is None else jax.lax.with_sharding_constraint(v, s))
+    return treedef.unflatten(out)
+
+
+def _like(params: Params, v: Params) -> Params:
+    return jax.tree.map(lambda p, t: jnp.asarray(t, p.dtype), params, v)
+
+
+def hvp(loss_fn: Callable[[Params], jax.Array], params: Params, v: Params) -> Params:
+    """H v for H the Hessian of `loss_fn` at `params` (forward-over-reverse; costs ~2-3 gradients)."""
+    return jax.jvp(jax.grad(loss_fn), (params,), (_like(params, v),))[1]
+
+
+def hvp_fn(loss_fn: Callable[[Params], jax.Array], params: Params) -> Callable[[Params], Params]:
+    """v -> H v with the gradient's primal pass done once (`jax.linearize`), for many products at one point.
+
+    Each product then costs only the tangent pass; the residuals (activations of forward and backward) are kept.
+    """
+    _, lin = jax.linearize(jax.grad(loss_fn), params)
+    return lambda v: lin(_like(params, v))
+
+
+def _as_loss(loss_fn: LossFn, batch) -> Callable[[Params], jax.Array]:
+    return (lambda p: loss_fn(p)) if batch is None else (lambda p: loss_fn(p, batch))
+
+
+def _batch_list(batches) -> list:
+    if batches is None:
+        return [None]
+    if isinstance(batches, dict):
+        return [batches]
+    return list(batches)
+
+
+def exact_hessian(loss_fn: LossFn, params: Params, batches: Iterable | None = None):
+    """(H [P, P], unravel) for the mean over batches of loss_fn, via `jax.hessian` on the raveled parameters.
+
+    P is the total parameter count: only for tiny models.
+    """
+    flat, unravel = ravel_pytree(params)
+
+    @jax.jit
+    def hess(x, batch):
+        return jax.hessian(lambda y: _as_loss(loss_fn, batch)(unravel(y)))(x)
+
+    bs = _batch_list(batches)
+    H = sum(hess(flat, b) for b in bs) / len(bs)
+    return H, unravel
+
+
+def exact_trace(
+    loss_fn: LossFn, params: Params, *, batches: Iterable | None = None, groups: GroupFn | str | None = None
+) -> TraceEstimate:
+    """Exact Tr(H) (stderr 0) with per-group traces and Tr(H^2) = ||H||_F^2, via `exact_hessian`."""
+    H, unravel = exact_hessian(loss_fn, params, batches)
+    names, ids = param_groups(params, groups)
+    diag = jax.tree.leaves(unravel(jnp.diag(H)))
+    per = np.zeros(len(names))
+    for d, g in zip(diag, ids):
+        per[g] += float(jnp.sum(d))
+    return TraceEstimate(
+        mean=float(per.sum()), stderr=0.0, num_samples=0, method="exact", num_batches=len(_batch_list(batches)),
+        per_group=dict(zip(names, map(float, per))), per_group_stderr=dict.fromkeys(names, 0.0),
+        trace_sq=float(jnp.sum(H * H)), trace_sq_stderr=0.0,
+    )
+
+
+def hutchinson_trace(
+    loss_fn: LossFn,
+    params: Params,
+    key: jax.Array,
+    num_probes: int,
+    *,
+    batches: Iterable | None = None,
+    kind: str = "rademacher",
+    chunk_size: int = 1,
+    groups: GroupFn | str | None = None,
+    shardings: Any = None,
+) -> TraceEstimate:
+    """Hutchinson estimate of Tr(H), H the Hessian of the population loss, with Tr(H^2) and per-group traces.
+
+    loss_fn: `loss_fn(params)` (batches=None) or `loss_fn(params, batch)` with `batches` an iterable of batches
+      (streamed once); the population loss is the mean over batches, and every batch gets `num_probes` fresh probes.
+    Samples are v.Hv (per group v_g.(Hv)_g, which sum to v.Hv) and ||Hv||^2 (E = Tr(H^2)), all from the same
+    products. Probes are processed `chunk_size` at a time (vmapped), the chunks scanned; the gradient's primal pass
+    is linearised once per batch. Memory: the parameters, their gradient, and 2 * chunk_size probe-sized copies,
+    plus activations. Units: those of the loss per unit parameter squared.
+    """
+    if num_probes < 1:
+        raise ValueError(f"num_probes must be >= 1, got {num_probes}")
+    names, ids = param_groups(params, groups)
+    static = dict(loss_fn=loss_fn, num_probes=int(num_probes), kind=kind, chunk=max(1, min(chunk_size, num_probes)),
+                  leaf_ids=tuple(ids), shard=_shard_leaves(params, shardings))
+    outs = [_hutchinson_stats(params, b, jax.random.fold_in(key, i), **static)
+            for i, b in enumerate(_batch_list(batches))]
+    z = [np.asarray(z) for z, _ in outs]
+    return summarize(z, names, method=f"hutchinson_{kind}", sq_samples=[np.asarray(s) for _, s in outs])
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "num_probes", "kind", "chunk", "leaf_ids", "shard"))
+def _hutchinson_stats(params, batch, key, *, loss_fn, num_probes, kind, chunk, leaf_ids, shard):
+    """(v.Hv per group [P, G], ||Hv||^2 [P]) for probes 0..P-1 of one batch (module-level: compiled once)."""
+    lin = hvp_fn(_as_loss(loss_fn, batch), params)
+    G = max(leaf_ids) + 1
+
+    def one(i):
+        v = _probe(jax.random.fold_in(key, i), params, kind, shard)
+        hv = lin(v)
+        return group_dots(v, hv, leaf_ids, G), group_dots(hv, hv, leaf_ids, G).sum()
+
+    return jax.lax.map(one, jnp.arange(num_probes), batch_size=chunk)
+
+
+def _tree_gram(a: Params, b: Params) -> jax.Array:
+    """[k, l] matrix of dot products between stacked pytrees a [k, ...] and b [l, ...]."""
+    terms = [
+        jnp.einsum("i...,j...->ij", x.astype(acc_dtype(x)), y.astype(acc_dtype(x)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    ]
+    return functools.reduce(jnp.add, terms)
+
+
+def _tree_combine(coef_KL: jax.Array, a: Params) -> Params:
+    """Stacked pytree with entry j = sum_i coef[i, j] a_i."""
+    return jax.tree.map(lambda x: jnp.einsum("ij,i...->j...", coef_KL.astype(x.dtype), x), a)
+
+
+def _orthonormalize(y: Params) -> Params:
+    """Orthonormal basis (stacked, same count; directions below the rounding level become zero) of span(y).
+
+    Gram-matrix eigendecomposition done twice, so it stays in pytree form (and sharded) instead of raveling.
+    """
+    for _ in range(2):
+        gram = _tree_gram(y, y)
+        lam, U = jnp.linalg.eigh(gram)
+        tol = jnp.max(lam) * jnp.finfo(lam.dtype).eps * 10 * gram.shape[0]
+        inv = jnp.where(lam > tol, 1.0 / jnp.sqrt(jnp.where(lam > tol, lam, 1.0)), 0.0)
+        y = _tree_combine(U * inv[None, :], y)
+    return y
+
+
+def hutchpp_trace(
+    matvec: MatvecFn,
+    params: Params,
+    key: jax.Array,
+    num_matvecs: int,
+    *,
+    batches: Sequence | None = None,
+    kind: str = "rademacher",
+    chunk_size: int = 1,
+    groups: GroupFn | str | None = None,
+) -> TraceEstimate:
+    """Hutch++ (Meyer et al. 2021) estimate of Tr(A), A = mean over batches of a symmetric PSD operator.
+
+    matvec: `matvec(params, v)` (batches=None) or `matvec(params, v, batch)` -> A v, e.g.
+      `lambda p, v, b: fisher_vp(apply_fn, p, b, v)`. k = num_matvecs // 3 probes: Tr(Q^T A Q) exactly on an
+    orthonormal basis Q of A S, plus Hutchinson on the rest, samples g.A(I - QQ^T)g with fresh probes g; the
+    standard error is that of the rest given Q. (Projecting only on the right keeps every per-group trace
+    v_g.(Av)_g unbiased for Tr(A_gg), so the groups still sum to the total.) Needs 2 passes over `batches` and
+    about 3k stacked parameter copies.
+    """
+    k = max(1, num_matvecs // 3)
+    names, ids = param_groups(params, groups)
+    G = len(names)
+    bs = _batch_list(batches)
+    chunk = max(1, min(chunk_size, 2 * k))
+
+    @jax.jit
+    def apply_batch(p, vs, batch):
+        f = (lambda v: matvec(p, v)) if batch is None else (lambda v: matvec(p, v, batch))
+        return jax.lax.map(f, vs, batch_size=chunk)
+
+    def apply(vs):
+        out = None
+        for b in bs:
+            r = apply_batch(params, vs, b)
+            out = r if out is None else jax.tree.map(jnp.add, out, r)
+        return jax.tree.map(lambda x: x / len(bs), out)
+
+    probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
+    S, Gp = probes(jax.random.fold_in(key, 0)), probes(jax.random.fold_in(key, 1))
+    Q = jax.jit(_orthonormalize)(apply(S))
+
+    @jax.jit
+    def deflate(q, g):
+        return jax.tree.map(jnp.subtract, g, _tree_combine(_tree_gram(q, g), q))
+
+    Gd = deflate(Q, Gp)
+    AQG = apply(jax.tree.map(lambda a, b: jnp.concatenate([a, b]), Q, Gd))
+    AQ, AG = jax.tree.map(lambda x: x[:k], AQG), jax.tree.map(lambda x: x[k:], AQG)
+    per_sample = jax.jit(jax.vmap(lambda a, b: group_dots(a, b, ids, G)))
+    low = np.asarray(per_sample(Q, AQ)).sum(axis=0)
+    return summarize([np.asarray(per_sample(Gp, AG))], names, method="hutchpp", offset_per_group=low)
