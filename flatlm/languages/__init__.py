@@ -29,4 +29,8 @@ def make_language(spec):
                 raise UserError(f"language.rules_file {spec['rules_file']!r} not found; give a path to a rules file")
             return pcfg.PCFG.from_rules_file(spec["rules_file"])
         return pcfg.random_grammar(spec["seed"])
-    raise UserError(f"language {name!r} cannot be trained on yet; use hmm or pcfg")
+    if name == "opt":
+        from flatlm.languages import opt
+
+        return opt.from_spec(spec)
+    raise UserError(f"language {name!r} cannot be trained on; use hmm, pcfg or opt")

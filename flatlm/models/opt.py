@@ -16,7 +16,9 @@ Parameter tree (plain nested dict after `nn.unbox`; names and layouts mirror `fl
 KV cache: `KVCache(k, v, length)` with k, v float[L, C, M, H, Dh] holding M slots of which the first `length` are
 valid. `decode` attends new tokens to the valid cache slots and causally to each other; C is 1 (one prefix shared
 by the whole batch, e.g. K candidate continuations of one sentence) or the batch size. `append_cache` writes the new
-keys/values at `length`, so a fixed-size buffer decodes step by step under one compiled shape.
+keys/values at `length`, so a fixed-size buffer decodes step by step under one compiled shape. `decode` can also pack
+independent continuations into one row (`segments_S`, each segment seeing its own number of cache slots,
+`cache_visible_S`): flatlm's exact conditionals use it to run two suffixes per row under a single shape.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class OPTConfig:
             raise UserError("OPT checkpoints without LayerNorm affine parameters are not supported")
         if not hf.get("tie_word_embeddings", True):
             raise UserError("OPT checkpoints with an untied output head are not supported")
+        proj = hf.get("word_embed_proj_dim")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -100,7 +103,7 @@ class OPTConfig:
             num_heads=hf["num_attention_heads"],
             ffn_dim=hf["ffn_dim"],
             max_positions=hf["max_position_embeddings"],
-            word_embed_proj_dim=hf.get("word_embed_proj_dim") or hf["hidden_size"],
+            word_embed_proj_dim=0 if proj in (None, hf["hidden_size"]) else proj,
             do_layer_norm_before=hf.get("do_layer_norm_before", True),
             remove_final_layer_norm=hf.get("_remove_final_layer_norm", False),
             activation=hf.get("activation_function", "relu"),
@@ -192,7 +195,7 @@ class Attention(nn.Module):
     cfg: OPTConfig
 
     @nn.compact
-    def __call__(self, x_BSD, cache_k_CMHd, cache_v_CMHd, cache_len):
+    def __call__(self, x_BSD, self_mask_SS, cache_k_CMHd=None, cache_v_CMHd=None, cache_mask_SM=None):
         c = self.cfg
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         H, Dh, D = c.num_heads, c.head_dim, c.hidden_size
@@ -204,10 +207,9 @@ class Attention(nn.Module):
         # HF scales the projected queries (bias included) rather than the scores; same order here.
         q_BSHd = qkv_BSKHd[:, :, 0] * (Dh**-0.5)
         k_BSHd, v_BSHd = qkv_BSKHd[:, :, 1], qkv_BSKHd[:, :, 2]
-        S = x_BSD.shape[1]
         neg = jnp.finfo(jnp.float32).min
         s_BHSS = jnp.einsum("bshe,bthe->bhst", q_BSHd, k_BSHd).astype(jnp.float32)
-        s_BHSS = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s_BHSS, neg)
+        s_BHSS = jnp.where(self_mask_SS, s_BHSS, neg)
         if cache_k_CMHd is None:
             p_BHSS = jax.nn.softmax(s_BHSS, axis=-1).astype(dt)
             o_BSHd = jnp.einsum("bhst,bthe->bshe", p_BHSS, v_BSHd)
@@ -219,7 +221,7 @@ class Attention(nn.Module):
                 s_BHSM = jnp.einsum("bshe,mhe->bhsm", q_BSHd, ck[0])
             else:
                 s_BHSM = jnp.einsum("bshe,bmhe->bhsm", q_BSHd, ck)
-            s_BHSM = jnp.where(jnp.arange(M) < cache_len, s_BHSM.astype(jnp.float32), neg)
+            s_BHSM = jnp.where(cache_mask_SM, s_BHSM.astype(jnp.float32), neg)
             p_BHSX = jax.nn.softmax(jnp.concatenate([s_BHSM, s_BHSS], axis=-1), axis=-1).astype(dt)
             p_BHSM, p_BHSS = p_BHSX[..., :M], p_BHSX[..., M:]
             if shared:
@@ -257,13 +259,13 @@ class Layer(nn.Module):
     cfg: OPTConfig
 
     @nn.compact
-    def __call__(self, x_BSD, cache_k, cache_v, cache_len):
+    def __call__(self, x_BSD, self_mask_SS, cache_k=None, cache_v=None, cache_mask_SM=None):
         c = self.cfg
         ln = lambda name: LayerNorm(c.ln_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name=name)
         attn_ln, mlp_ln = ln("attn_ln"), ln("mlp_ln")
         pre = c.do_layer_norm_before
-        a_BSD, k_BSHd, v_BSHd = Attention(c, name="attn")(attn_ln(x_BSD) if pre else x_BSD, cache_k, cache_v,
-                                                          cache_len)
+        a_BSD, k_BSHd, v_BSHd = Attention(c, name="attn")(attn_ln(x_BSD) if pre else x_BSD, self_mask_SS, cache_k,
+                                                          cache_v, cache_mask_SM)
         x_BSD = x_BSD + a_BSD
         if not pre:
             x_BSD = attn_ln(x_BSD)
@@ -291,12 +293,16 @@ class OPT(nn.Module):
             self.final_ln = LayerNorm(c.ln_eps, jnp.dtype(c.dtype), pdt, name="final_ln")
         self.layers = [Layer(c, name=f"layer_{i}") for i in range(c.num_layers)]
 
-    def decode(self, tokens_BS, positions_BS=None, cache: KVCache | None = None, head_ids=None):
+    def decode(self, tokens_BS, positions_BS=None, cache: KVCache | None = None, head_ids=None,
+               segments_S=None, cache_visible_S=None):
         """Logits for new tokens given a cache of earlier ones, and the new tokens' keys/values.
 
         tokens_BS: OPT token ids; positions_BS: their 0-based positions (default: `cache.length` + 0..S-1, or
         0..S-1 without a cache; BOS sits at position 0); head_ids int[K]: if given, logits only for these
         vocabulary entries (a restricted vocabulary needs no full-vocabulary head).
+        Packing several independent continuations into one row: token s attends causally only to tokens of its own
+        segment (`segments_S`, default one segment) and to the first `cache_visible_S[s]` cache slots (default
+        `cache.length`).
         Returns (logits[B, S, Vopt or K], KVCache(k, v [L, B, S, H, Dh], length=S)).
         """
         c = self.cfg
@@ -305,6 +311,13 @@ class OPT(nn.Module):
         if positions_BS is None:
             start = 0 if cache is None else cache.length
             positions_BS = jnp.broadcast_to(start + jnp.arange(S), (B, S))
+        self_mask_SS = jnp.tril(jnp.ones((S, S), bool))
+        if segments_S is not None:
+            self_mask_SS &= segments_S[:, None] == segments_S[None, :]
+        cache_mask_SM = None
+        if cache is not None:
+            visible_S = jnp.broadcast_to(cache.length if cache_visible_S is None else cache_visible_S, (S,))
+            cache_mask_SM = jnp.arange(cache.k.shape[2])[None, :] < visible_S[:, None]
         x_BSD = jnp.take(self.embed_tokens, tokens_BS, axis=0).astype(dt)
         if c.has_projection:
             x_BSD = x_BSD @ self.project_in.astype(dt)
@@ -312,10 +325,10 @@ class OPT(nn.Module):
         x_BSD = nn.with_logical_constraint(x_BSD, ("batch", "length", "embed"))
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            ck = cv = clen = None
+            ck = cv = None
             if cache is not None:
-                ck, cv, clen = cache.k[i], cache.v[i], cache.length
-            x_BSD, k_BSHd, v_BSHd = layer(x_BSD, ck, cv, clen)
+                ck, cv = cache.k[i], cache.v[i]
+            x_BSD, k_BSHd, v_BSHd = layer(x_BSD, self_mask_SS, ck, cv, cache_mask_SM)
             ks.append(k_BSHd)
             vs.append(v_BSHd)
         return self.logits(x_BSD, head_ids), KVCache(jnp.stack(ks), jnp.stack(vs), jnp.asarray(S, jnp.int32))
@@ -338,20 +351,20 @@ class OPT(nn.Module):
 
 def init_params(cfg: OPTConfig, seed: int = 0) -> dict:
     """HF-style random initialisation (normal 0.02, zero biases, unit LN scales) as a plain dict."""
-    variables = OPT(cfg).init(jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32))
-    return nn.unbox(variables["params"])
+    init = jax.jit(lambda key: OPT(cfg).init(key, jnp.zeros((1, 1), jnp.int32)))
+    return nn.unbox(init(jax.random.PRNGKey(seed))["params"])
 
 
 def random_params(cfg: OPTConfig, seed: int = 0, std: float = 0.02) -> dict:
-    """Every weight and bias ~ N(0, std^2) and LN scales ~ 1 + N(0, std^2): a random model with sharper
-    conditionals than `init_params`, for tests (std ~ 0.3 makes each token matter)."""
-    params = init_params(cfg, seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    """Every weight and bias ~ N(0, std^2) and LN scales ~ 1 + N(0, std^2) (numpy RNG, float32): a random model
+    with sharper conditionals than `init_params` for tests (std ~ 0.3 makes every token matter)."""
+    shapes = jax.eval_shape(lambda: nn.unbox(OPT(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes["params"])
+    rng = np.random.default_rng(seed)
     out = []
-    for (path, x), key in zip(leaves, keys, strict=True):
-        noise = std * jax.random.normal(key, x.shape, x.dtype)
-        out.append(1.0 + noise if jax.tree_util.keystr(path).endswith("['scale']") else noise)
+    for path, x in leaves:
+        noise = (std * rng.standard_normal(x.shape)).astype(np.dtype(cfg.param_dtype))
+        out.append(jnp.asarray(1.0 + noise if jax.tree_util.keystr(path).endswith("['scale']") else noise))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
