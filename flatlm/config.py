@@ -74,6 +74,11 @@ def base_config() -> ml_collections.ConfigDict:
             grad_clip=0.0,  # 0 -> off
             log_every=50,
             eval_every=250,
+            # The adversarial meta-objective (paper A.4): L_mlm - lam * loss of a ridge head fitted on D1,
+            # evaluated on D2. lam = 0: plain MLM. task "" -> the language's first downstream task.
+            adversarial=ml_collections.ConfigDict(dict(
+                lam=0.0, ridge=1.0, d1_size=256, d2_size=256, loss="squared", projection_dim=0,
+                normalize="global", task="", pool_size=0)),
         )
     )
     c.eval = ml_collections.ConfigDict(
@@ -210,6 +215,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise UserError(f"config.train.lr must be positive, got {config.train.lr}")
     if not 0 <= config.train.warmup_frac < 1:
         raise UserError(f"config.train.warmup_frac must be in [0, 1), got {config.train.warmup_frac}")
+    adv = config.train.adversarial
+    if adv.lam < 0:
+        raise UserError(f"config.train.adversarial.lam must be >= 0, got {adv.lam}")
+    if adv.lam > 0 and config.language.name not in ("hmm", "pcfg"):
+        raise UserError("the adversarial objective needs a language with downstream tasks (hmm or pcfg)")
     if not 0 < config.data.mask_prob <= 1:
         raise UserError(f"config.data.mask_prob must be in (0, 1], got {config.data.mask_prob}")
     if config.model.shape:

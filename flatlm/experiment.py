@@ -32,8 +32,8 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     c.base = base
     c.runs = [{"name": n, "overrides": list(o)} for n, o in runs]
     c.evaluate = evaluate
-    c.flatness = ml_collections.ConfigDict(dict(enabled=False, method="fisher", num_probes=64, num_batches=4,
-                                                batch_size=128, draws=50, **(flatness or {})))
+    defaults = dict(enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50)
+    c.flatness = ml_collections.ConfigDict({**defaults, **(flatness or {})})
     return c
 
 

@@ -173,6 +173,34 @@ def jit_train_step(run: Run, objective=mlm_objective):
                    out_shardings=(run.state_shardings, sharding.replicated(run.mesh)), donate_argnums=0)
 
 
+def adversarial_setup(run: Run, start: int):
+    """(objective, iterator of D1/D2 batches) for `train.adversarial.lam > 0`, else (None, None)."""
+    c = run.config
+    a = c.train.adversarial
+    if a.lam <= 0:
+        return None, None
+    from flatlm.data import tasks as tasks_lib
+    from flatlm.evaluate.probe import model_feature_fn
+    from flatlm.evaluate.runner import load_task, task_names
+    from flatlm.train import adversarial as adv
+
+    task = a.task or task_names(c, run.language)[0]
+    tasks_lib.check_task(run.language, c.language.name, task)
+    cfg = adv.AdversarialConfig(
+        lam=a.lam, ridge=a.ridge, d1_size=a.d1_size, d2_size=a.d2_size, loss=a.loss, projection_dim=a.projection_dim,
+        normalize=a.normalize, task=task, num_classes=tasks_lib.num_classes(run.language, c.language.name, task),
+        label_definition=c.eval.task_definition or tasks_lib.default_definition(c.language.name),
+        pool_size=a.pool_size, seed=c.seed)
+    kw = dict(start=start, process_index=jax.process_index(), process_count=jax.process_count())
+    if c.language.name == "hmm":
+        batches = adv.downstream_batches(run.language, int(task[1:]), a.d1_size, a.d2_size, c.seed,
+                                         definition=cfg.label_definition, pool_size=a.pool_size, **kw)
+    else:  # D1/D2 from the task's training split: the same data the probe is trained on
+        train = load_task(run, task, quiet=True)["train"]
+        batches = adv.pool_batches(train["tokens"], train["label"], a.d1_size, a.d2_size, c.seed, **kw)
+    return adv.make_objective(cfg, model_feature_fn(run.model)), batches
+
+
 def evaluate_exact_loss(run: Run, params, limit: int | None = None) -> dict:
     bs = run.config.eval.batch_size
     with run.mesh, nn.logical_axis_rules(run.rules):
@@ -261,7 +289,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     else:
         start = 0
         state = init_state(run)
-    step_fn = jit_train_step(run, objective or mlm_objective)
+    adv_objective, down_batches = adversarial_setup(run, start)
+    step_fn = jit_train_step(run, objective or adv_objective or mlm_objective)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
     kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
@@ -292,7 +321,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
 
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
-            batch = sharding.global_batch(next(it), run.mesh)
+            local = next(it) if down_batches is None else {**next(it), **next(down_batches)}
+            batch = sharding.global_batch(local, run.mesh)
             state, metrics = step_fn(state, batch)
             if pending is not None:
                 flush(pending)
