@@ -54,7 +54,7 @@ def run(workdir: str, steps: int = 0, progress: bool = True, flatness: bool = Tr
         import ml_collections
 
         flatness_pending(Path(workdir), ml_collections.ConfigDict(dict(
-            method="fisher", num_probes=0, num_batches=2, batch_size=128, draws=8)), progress)
+            method="fisher", num_probes=0, num_batches=2, batch_size=128, draws=8, grow_to=())), progress)
     return summary(workdir, config)
 
 

@@ -11,7 +11,8 @@ from flatlm.experiment import load_experiment, run_config, validate_experiment
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "demo", "paper")] + [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
 EXPERIMENTS = [f"{REPO}/configs/experiments/{name}.py:{arg}"
-               for name in ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "table1", "table2")
+               for name in ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1",
+                            "table2")
                for arg in ("tiny", "paper", "tiny,hmm", "paper,pcfg")]
 
 
