@@ -19,7 +19,7 @@ from flatlm.errors import UserError  # noqa: E402
 
 # Modules that register more verbs with `add_parser(subparsers)`.
 VERB_MODULES: tuple[str, ...] = (
-    "flatlm.evaluate.runner", "flatlm.experiment", "flatlm.report", "flatlm.theory.cli",
+    "flatlm.evaluate.runner", "flatlm.experiment", "flatlm.report", "flatlm.theory.cli", "flatlm.flatness.cli",
 )
 
 

@@ -36,7 +36,7 @@ def _load_run(workdir: str):
 
 def _eval_batches(run, num_batches: int, batch_size: int, seed: int) -> list[dict]:
     """Evaluation MLM batches (tokens/targets/weights) of the run's language."""
-    return list(run.eval_batches(num_batches=num_batches, batch_size=batch_size, seed=seed))
+    return run.mlm_batches(num_batches, batch_size, seed=seed)
 
 
 def _save_grown(path: str, params, config: BertConfig) -> None:
@@ -129,6 +129,11 @@ def run_flatness(args: argparse.Namespace) -> int:
         else:
             est = report.measure(args.method, apply_fn, params, batches, key, **kw)
             rows.append({"step": step, **est.to_dict()})
+            from flatlm import results as results_lib
+
+            results_lib.append(args.workdir, [{"kind": "flatness", "step": step, "method": args.method,
+                                               "grown_to": None, "trace": est.mean, "trace_stderr": est.stderr,
+                                               "detail": est.to_dict()}])
     if args.json:
         print(json.dumps({"workdir": args.workdir, "method": "gap" if args.gap else args.method, "results": rows}))
     elif args.gap:

@@ -78,7 +78,7 @@ def probe_like(key: jax.Array, params: Params, kind: str = "rademacher", shardin
     into the consumer.) The values do not depend on the mesh, and each device generates only its own shard.
     `shardings` (optional pytree of shardings matching params) pins each probe to its parameter's layout.
     """
-    return _probe(key, params, kind, _shard_leaves(params, shardings))
+    return _probe_jit(key, params, kind, _shard_leaves(params, shardings))
 
 
 def _shard_leaves(params: Params, shardings: Any) -> tuple | None:
@@ -106,6 +106,9 @@ def _probe(key: jax.Array, params: Params, kind: str, shard: tuple | None) -> Pa
         v = v.astype(x.dtype)
         out.append(v if s is None else jax.lax.with_sharding_constraint(v, s))
     return treedef.unflatten(out)
+
+
+_probe_jit = jax.jit(_probe, static_argnames=("kind", "shard"))
 
 
 def _like(params: Params, v: Params) -> Params:
@@ -262,14 +265,14 @@ def hutchpp_trace(
       `lambda p, v, b: fisher_vp(apply_fn, p, b, v)`. k = num_matvecs // 3 probes: Tr(Q^T A Q) exactly on an
     orthonormal basis Q of A S, plus Hutchinson on the rest, samples g.A(I - QQ^T)g with fresh probes g; the
     standard error is that of the rest given Q. (Projecting only on the right keeps every per-group trace
-    v_g.(Av)_g unbiased for Tr(A_gg), so the groups still sum to the total.) Needs 2 passes over `batches` and
-    about 3k stacked parameter copies.
+    v_g.(Av)_g unbiased for Tr(A_gg), so the groups still sum to the total.) Makes 3 passes over `batches` (k
+    products each) and keeps about 4k stacked parameter copies.
     """
     k = max(1, num_matvecs // 3)
     names, ids = param_groups(params, groups)
     G = len(names)
     bs = _batch_list(batches)
-    chunk = max(1, min(chunk_size, 2 * k))
+    chunk = max(1, min(chunk_size, k))
 
     @jax.jit
     def apply_batch(p, vs, batch):
@@ -291,9 +294,7 @@ def hutchpp_trace(
     def deflate(q, g):
         return jax.tree.map(jnp.subtract, g, _tree_combine(_tree_gram(q, g), q))
 
-    Gd = deflate(Q, Gp)
-    AQG = apply(jax.tree.map(lambda a, b: jnp.concatenate([a, b]), Q, Gd))
-    AQ, AG = jax.tree.map(lambda x: x[:k], AQG), jax.tree.map(lambda x: x[k:], AQG)
+    AQ, AG = apply(Q), apply(deflate(Q, Gp))  # same stack shape as S: one compilation
     per_sample = jax.jit(jax.vmap(lambda a, b: group_dots(a, b, ids, G)))
     low = np.asarray(per_sample(Q, AQ)).sum(axis=0)
     return summarize([np.asarray(per_sample(Gp, AG))], names, method="hutchpp", offset_per_group=low)

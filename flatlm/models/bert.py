@@ -1,14 +1,18 @@
 """BERT-style MLM encoder (pre-LN or post-LN), tied input/output embeddings, logits over the V words only.
 
 Parameter tree (plain nested dict after `nn.unbox`):
-  embed/{tokens[Vtot, D], positions[L, D]}, embed_ln (post-LN only),
+  tok_embed[Vtot, D], pos_embed[L, D], embed_ln (post-LN only),
   layer_{i}/{attn_ln, attn/{qkv[D, 3, H, Dh], qkv_bias[3, H, Dh], out[H, Dh, D], out_bias[D]},
              mlp_ln, mlp/{wi[D, F], bi[F], wo[F, D], bo[D]}},
-  final_ln (pre-LN only), head/{dense[D, D], dense_bias[D], ln, bias[V]}.
+  final_ln (pre-LN only), head_dense[D, D], head_dense_bias[D], head_ln, head_bias[V];
+  each LayerNorm holds norm/{scale[D], bias[D]}.
 In post-LN layers `attn_ln` / `mlp_ln` are applied after the residual sum, as in the original BERT.
 Every parameter carries logical axis names ("vocab", "embed", "heads", "kv", "mlp") that
 `flatlm.sharding` maps onto mesh axes, so the same code runs data-, FSDP- or tensor-parallel.
-"""
+
+Speed on CPU (see benchmarks/train_step.py): dense layers are 2-D matmuls over the B*T rows, so XLA computes
+their weight gradients without transposing activations first; dropout masks are a keyed hash of the element
+index that fuses into its consumer, instead of jax.random's threefry (a loop over the whole tensor on CPU)."""
 
 from __future__ import annotations
 
@@ -78,6 +82,52 @@ class BertConfig:
         return cls(num_layers=layers, d_model=d, **kw)
 
 
+def _mix32(x):
+    """murmur3's 32-bit finalizer: a bijection on uint32 with full avalanche."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _keep_mask(key, rate: float, shape) -> jax.Array:
+    """bool[shape], True with probability 1 - rate: a keyed counter hash of each element's global index.
+
+    Elementwise in the index, so XLA fuses it into the consumer (no random tensor in memory) and the mask does
+    not depend on how the array is sharded.
+    """
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    k = key.reshape(-1)[:2].astype(jnp.uint32)
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    bits = _mix32(_mix32(idx ^ k[0]) + k[1])
+    return bits >= jnp.uint32(min(int(round(rate * 2**32)), 2**32 - 1))
+
+
+class Dropout(nn.Module):
+    """`nn.Dropout`'s semantics (the "dropout" rng stream, keep with probability 1 - rate, scale by 1 / (1 - rate))
+    with a hashed mask: cheap on CPU, and the same mask on every mesh."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        if deterministic or self.rate == 0.0:
+            return x
+        if self.rate >= 1.0:
+            return jnp.zeros_like(x)
+        keep = _keep_mask(self.make_rng("dropout"), self.rate, x.shape)
+        return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _dense(x_BTK, w_KN, dt):
+    """x[..., K] @ w[K, N] as one 2-D matmul over the flattened leading axes: [prod(...), N]."""
+    return x_BTK.reshape(-1, x_BTK.shape[-1]).astype(dt) @ w_KN.astype(dt)
+
+
 def _init(names, scale=0.02):
     return nn.with_logical_partitioning(nn.initializers.normal(scale), names)
 
@@ -117,13 +167,18 @@ class Attention(nn.Module):
         qkv_b = self.param("qkv_bias", _zeros((None, "heads", "kv")), (3, H, Dh), pdt)
         out = self.param("out", _init(("heads", "kv", "embed")), (H, Dh, D), pdt)
         out_b = self.param("out_bias", _zeros(("embed",)), (D,), pdt)
-        qkv_BTKHd = jnp.einsum("btd,dkhe->btkhe", x_BTD.astype(dt), qkv.astype(dt)) + qkv_b.astype(dt)
+        B, T = x_BTD.shape[:2]
+        # Dense layers as 2-D matmuls over the N = B*T rows: the weight gradient is then x_NK^T g_NJ, one dot
+        # with a single contracting axis, which XLA's CPU backend runs without transposing x or g first.
+        qkv_NJ = _dense(x_BTD, qkv.reshape(D, 3 * H * Dh), dt) + qkv_b.reshape(3 * H * Dh).astype(dt)
+        qkv_BTKHd = qkv_NJ.reshape(B, T, 3, H, Dh)
         q_BTHd, k_BTHd, v_BTHd = qkv_BTKHd[:, :, 0], qkv_BTKHd[:, :, 1], qkv_BTKHd[:, :, 2]
         s_BHTS = jnp.einsum("bthe,bshe->bhts", q_BTHd, k_BTHd) / math.sqrt(Dh) + bias_BHTT
         p_BHTS = jax.nn.softmax(s_BHTS.astype(jnp.float32), axis=-1).astype(dt)
-        p_BHTS = nn.Dropout(c.attention_dropout)(p_BHTS, deterministic=deterministic)
+        p_BHTS = Dropout(c.attention_dropout)(p_BHTS, deterministic=deterministic)
         o_BTHd = jnp.einsum("bhts,bshe->bthe", p_BHTS, v_BTHd)
-        y_BTD = jnp.einsum("bthe,hed->btd", o_BTHd, out.astype(dt)) + out_b.astype(dt)
+        y_ND = _dense(o_BTHd.reshape(B, T, H * Dh), out.reshape(H * Dh, D), dt) + out_b.astype(dt)
+        y_BTD = y_ND.reshape(B, T, D)
         return nn.with_logical_constraint(y_BTD, ("batch", "length", "embed"))
 
 
@@ -138,9 +193,10 @@ class Mlp(nn.Module):
         bi = self.param("bi", _zeros(("mlp",)), (c.ff,), pdt)
         wo = self.param("wo", _init(("mlp", "embed")), (c.ff, c.d_model), pdt)
         bo = self.param("bo", _zeros(("embed",)), (c.d_model,), pdt)
-        h_BTF = jax.nn.gelu(x_BTD.astype(dt) @ wi.astype(dt) + bi.astype(dt), approximate=c.gelu_approximate)
-        h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "length", "mlp"))
-        y_BTD = h_BTF @ wo.astype(dt) + bo.astype(dt)
+        B, T = x_BTD.shape[:2]
+        h_NF = jax.nn.gelu(_dense(x_BTD, wi, dt) + bi.astype(dt), approximate=c.gelu_approximate)
+        h_BTF = nn.with_logical_constraint(h_NF.reshape(B, T, c.ff), ("batch", "length", "mlp"))
+        y_BTD = (_dense(h_BTF, wo, dt) + bo.astype(dt)).reshape(B, T, c.d_model)
         return nn.with_logical_constraint(y_BTD, ("batch", "length", "embed"))
 
 
@@ -151,7 +207,7 @@ class Layer(nn.Module):
     def __call__(self, x_BTD, bias_BHTT, deterministic: bool):
         c = self.cfg
         ln = lambda name: LayerNorm(c.ln_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name=name)
-        drop = lambda y: nn.Dropout(c.dropout)(y, deterministic=deterministic)
+        drop = lambda y: Dropout(c.dropout)(y, deterministic=deterministic)
         attn, mlp = Attention(c, name="attn"), Mlp(c, name="mlp")
         if c.ln_mode == "pre":
             x_BTD = x_BTD + drop(attn(ln("attn_ln")(x_BTD), bias_BHTT, deterministic))
@@ -180,7 +236,7 @@ class Bert(nn.Module):
         self.head_dense_bias = self.param("head_dense_bias", _zeros(("embed_out",)), (c.d_model,), pdt)
         self.head_ln = ln("head_ln")
         self.head_bias = self.param("head_bias", _zeros(("vocab",)), (c.num_words,), pdt)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
 
     def features(self, tokens_BT, deterministic: bool = True):
         """Per-token hidden states [B, T, D] after the last layer (and the final LN for pre-LN)."""
@@ -206,11 +262,13 @@ class Bert(nn.Module):
         """MLM head: dense + GELU + LN, then the tied word embeddings (words only) + bias."""
         c = self.cfg
         dt = jnp.dtype(c.dtype)
-        h = jax.nn.gelu(h_BTD @ self.head_dense.astype(dt) + self.head_dense_bias.astype(dt),
-                        approximate=c.gelu_approximate)
-        h = self.head_ln(h)
+        lead = h_BTD.shape[:-1]
+        h_ND = jax.nn.gelu(_dense(h_BTD, self.head_dense, dt) + self.head_dense_bias.astype(dt),
+                           approximate=c.gelu_approximate)
+        h_ND = self.head_ln(h_ND)
         words_VD = self.tok_embed[: c.num_words].astype(dt)
-        return jnp.einsum("btd,vd->btv", h, words_VD) + self.head_bias.astype(dt)
+        logits_NV = jnp.einsum("nd,vd->nv", h_ND, words_VD) + self.head_bias.astype(dt)
+        return logits_NV.reshape(*lead, c.num_words)
 
     def __call__(self, tokens_BT, deterministic: bool = True):
         return self.logits(self.features(tokens_BT, deterministic))

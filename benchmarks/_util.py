@@ -1,0 +1,106 @@
+"""Shared timing helpers for the benchmarks: the machine's float32 matmul peak, interleaved timing, load.
+
+    .venv/bin/python benchmarks/_util.py [--n 2048] [--repeats 5]   # prints the matmul peak and the load
+
+Timings on a shared machine are noisy: compare things measured in the same run, interleaved (`interleave`), and
+look at CPU-seconds (all threads of this process) next to wall time; they are less disturbed by other load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (what XLA's CPU thread pool sizes itself to)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def load_line() -> str:
+    """e.g. '2 CPUs, load average 11.8 (oversubscribed: ...)'."""
+    n, load = cpu_count(), os.getloadavg()[0]
+    line = f"{n} CPUs, 1-min load average {load:.1f}"
+    if load > n + 0.5:
+        line += " (oversubscribed: other processes share the cores, so wall times are noisy and inflated)"
+    return line
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_case(n: int = 2048, dtype=np.float32) -> tuple[Callable[[], object], float]:
+    """(call, flops): one jitted [n, n] @ [n, n] matmul that blocks until done, and its FLOPs (2 n^3)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((n, n)).astype(dtype))
+    b = jnp.asarray(rng.standard_normal((n, n)).astype(dtype))
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    return (lambda: f(a, b).block_until_ready()), 2.0 * n**3
+
+
+def time_once(fn: Callable[[], object], reps: int = 1) -> tuple[float, float]:
+    """(wall, cpu) seconds per call, averaged over `reps` back-to-back calls."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps
+
+
+def interleave(cases: dict[str, Callable[[], object]], rounds: int,
+               min_sample_s: float = 0.2) -> dict[str, np.ndarray]:
+    """Time every case round-robin, `rounds` samples each: {name: float[rounds, 2]} of (wall, cpu) s per call.
+
+    Each case must block until its work is done. A sample repeats a fast case until it lasts about
+    `min_sample_s` (the repeat count is set once, from a first untimed-as-sample call), so that every case
+    sees the same stretch of machine load as its neighbours.
+    """
+    reps = {}
+    for name, fn in cases.items():
+        wall, _ = time_once(fn)
+        reps[name] = max(1, min(50, int(np.ceil(min_sample_s / max(wall, 1e-6)))))
+    out = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            out[name].append(time_once(fn, reps[name]))
+    return {name: np.asarray(v) for name, v in out.items()}
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
+    """Achieved float32 GFLOP/s of a large jitted matmul: best and median of `repeats` (wall and per CPU-second)."""
+    fn, flops = matmul_case(n)
+    s = interleave({"mm": fn}, repeats)["mm"]
+    return dict(n=n, gflops_best=flops / s[:, 0].min() / 1e9, gflops_median=flops / np.median(s[:, 0]) / 1e9,
+                gflops_per_cpu_s=flops / np.median(s[:, 1]) / 1e9)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="The machine's float32 matmul peak (JAX, all CPU threads).")
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    import jax
+
+    print(f"machine: {load_line()}; JAX {jax.__version__} on {jax.devices()[0].platform}")
+    p = matmul_peak(args.n, args.repeats)
+    print(f"float32 matmul peak ({args.n}^3, jitted jnp.matmul, {args.repeats} samples): best "
+          f"{p['gflops_best']:.1f} GFLOP/s, median {p['gflops_median']:.1f} GFLOP/s, "
+          f"{p['gflops_per_cpu_s']:.1f} GFLOP per CPU-second")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

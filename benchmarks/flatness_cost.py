@@ -1,0 +1,140 @@
+"""Cost of the flatness estimators as multiples of one gradient of the MLM loss at the same batch.
+
+BERT (pre-LN) at d_model 128 and 256, sequence length 32, V = 200 words, float32, deterministic. Rows:
+  hvp fwd-over-rev      one H v, `hessian.hvp` (jax.jvp of jax.grad), jitted alone
+  hvp rev-over-rev      grad of (grad . v), for reference
+  hutchinson / probe    one probe of `hutchinson_trace` (primal linearised once per batch, 16 probes, chunk 1 / 4)
+  fisher summed         one batch of `fisher_trace(method="summed")`, 1 draw (forward + sample + 1 backward)
+  fisher summed / draw  the same with 16 draws (forward shared), per draw
+  fisher per-sample     one batch of per-context squared gradient norms (1 draw; one masked position per row)
+Memory: XLA's compiled temp + output buffers of one Hutchinson batch in units of one parameter copy, beside the
+same for a gradient step (ideally <= 4 copies more than the gradient's).
+Timings: minimum over repeats (robust to other load on the machine). Usage: python benchmarks/flatness_cost.py
+[--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 7].
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatlm.flatness import fisher as fi
+from flatlm.flatness import hessian as hs
+from flatlm.flatness.estimates import param_groups
+from flatlm.languages.base import special_ids
+from flatlm.models.bert import Bert, BertConfig
+from flatlm.train.losses import mlm_loss
+
+V, T = 200, 32
+
+
+def _batch(rng: np.random.Generator, B: int, one_per_row: bool) -> dict:
+    targets = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    tokens = targets.copy()
+    weights = np.zeros((B, T), np.float32)
+    for b in range(B):
+        pos = rng.choice(T, size=1 if one_per_row else 5, replace=False)
+        weights[b, pos] = 1.0
+        tokens[b, pos] = special_ids(V).mask
+    return {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(targets), "weights": jnp.asarray(weights)}
+
+
+def _time(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _memory(fn, *args) -> int:
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes) if m is not None else -1
+
+
+def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
+    cfg = BertConfig(num_words=V, max_len=T, d_model=d_model, num_layers=layers, dropout=0.0, attention_dropout=0.0)
+    model = Bert(cfg)
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, T), jnp.int32))["params"])
+    rng = np.random.default_rng(0)
+    batch, ctx = _batch(rng, B, False), _batch(rng, B, True)
+    loss = functools.partial(_loss, apply_fn=model.apply)
+    v = hs.probe_like(jax.random.key(1), params)
+    key = jax.random.key(2)
+    ids = tuple(param_groups(params)[1])
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+    grad = jax.jit(jax.grad(loss))
+    hvp = jax.jit(lambda p, w, b: hs.hvp(lambda q: loss(q, b), p, w))
+    rr = jax.jit(lambda p, w, b: jax.grad(lambda q: hs.group_dots(jax.grad(loss)(q, b), w, ids, max(ids) + 1).sum())(p))
+    hutch = lambda n, c: functools.partial(hs._hutchinson_stats, loss_fn=loss, num_probes=n, kind="rademacher",
+                                           chunk=c, leaf_ids=ids, shard=None)
+    summed = lambda n: functools.partial(fi._summed_stats, apply_fn=model.apply, num_draws=n, draw_chunk=1,
+                                         leaf_ids=ids)
+    per_sample = functools.partial(fi._per_sample_stats, apply_fn=model.apply, num_draws=1, draw_chunk=1,
+                                   leaf_ids=ids, labels="model", chunk=B)
+    coef, coef_ctx = jnp.sqrt(batch["weights"]), jnp.sqrt(ctx["weights"])
+
+    t_grad = _time(grad, params, batch, repeats=repeats)
+    t_grad_ctx = _time(grad, params, ctx, repeats=repeats)
+    n = 16
+    rows = {
+        "gradient (s)": t_grad,
+        "hvp fwd-over-rev": _time(hvp, params, v, batch, repeats=repeats) / t_grad,
+        "hvp rev-over-rev": _time(rr, params, v, batch, repeats=repeats) / t_grad,
+        "hutchinson / probe (chunk 1)": _time(jax.jit(hutch(n, 1)), params, batch, key, repeats=repeats) / n / t_grad,
+        "hutchinson / probe (chunk 4)": _time(jax.jit(hutch(n, 4)), params, batch, key, repeats=repeats) / n / t_grad,
+        "fisher summed, 1 draw": _time(jax.jit(summed(1)), params, batch["tokens"], coef, key, repeats=repeats)
+        / t_grad,
+        "fisher summed / draw (16)": _time(jax.jit(summed(n)), params, batch["tokens"], coef, key, repeats=repeats)
+        / n / t_grad,
+        "fisher per-sample, 1 draw": _time(jax.jit(per_sample), params, ctx["tokens"], coef_ctx, ctx["targets"], key,
+                                           repeats=repeats) / t_grad_ctx,
+        "memory: gradient (param copies)": _memory(jax.grad(loss), params, batch) / param_bytes,
+        "memory: hutchinson chunk 1": _memory(hutch(n, 1), params, batch, key) / param_bytes,
+        "memory: hutchinson chunk 4": _memory(hutch(n, 4), params, batch, key) / param_bytes,
+    }
+    rows["num_params"] = param_bytes // 4
+    return rows
+
+
+def _loss(params, batch, apply_fn):
+    return mlm_loss(params, batch, apply_fn)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-models", default="128,256")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    results = {}
+    for d in (int(x) for x in args.d_models.split(",")):
+        print(f"measuring d_model={d} ...", file=sys.stderr, flush=True)
+        results[d] = measure(d, args.layers, args.batch, args.repeats)
+    if args.json:
+        print(json.dumps({"layers": args.layers, "batch": args.batch, "seq": T, "results": results}))
+        return 0
+    names = list(next(iter(results.values())))
+    width = max(map(len, names))
+    print(f"{'x one gradient (same batch)':{width}}  " + "  ".join(f"{'d=' + str(d):>9}" for d in results))
+    for name in names:
+        cells = "  ".join(f"{results[d][name]:9.3g}" for d in results)
+        print(f"{name:{width}}  {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

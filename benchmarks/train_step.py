@@ -1,0 +1,370 @@
+"""MLM train-step throughput of the library's step (Table 3 shapes, sequence length 32) against the machine's
+matmul peak and Hugging Face BertForMaskedLM + torch.optim.AdamW, all measured in the same run.
+
+    .venv/bin/python benchmarks/train_step.py [--shapes L2-H128,L4-H128] [--batch 256] [--steps 5]
+        [--max-params 5e6] [--no-hf] [--xla-option KEY=VALUE ...] [--json]
+
+The step is the real one: `flatlm.train.step.train_step` with `flatlm.train.optim.optimizer` (AdamW with the
+paper's betas from the base config) and the real `Bert` (pre-LN, tanh GELU), jitted with donate_argnums=0 as
+in `flatlm.train.loop.jit_train_step`, dropout 0.1 on as in training; the dropout-off step is timed too. For
+each shape the cases are timed round-robin (`--steps` samples each, medians reported) next to a large float32
+matmul (the peak) and two replays that explain the step's time: every dot_general of the step run alone
+(same shapes and dimension numbers, one jitted program) and the AdamW update alone; the rest is elementwise
+work (layer norms, GELU, softmax, dropout masks, residuals, loss) and copies.
+
+Hugging Face has no pre-LN BERT: the comparison is HF's post-LN BERT of the same width, depth and MLP size
+(gelu_new = tanh GELU, dropout 0.1, SDPA attention), eager PyTorch with as many threads as XLA uses. Without
+torch + transformers the comparison is skipped (pip install torch==2.13.0, then pip install -e '.[hf]').
+Shapes with more than --max-params parameters are skipped (their estimated step time is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _util import cpu_count, interleave, load_line, matmul_case, matmul_peak, peak_rss_mb
+
+from flatlm.config import base_config
+from flatlm.data.masking import mask_batch
+from flatlm.models import TABLE3, Bert, model_config
+from flatlm.train import optim
+from flatlm.train.step import train_step
+
+NUM_WORDS = 200  # the paper's HMM / PCFG vocabulary; + pad, mask, cls
+SEQ_LEN = 32
+MIB = 2**20
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+
+
+# ------------------------------------------------------------------ the library step
+
+
+def make_model(shape: str):
+    c = base_config()
+    c.model.shape = shape
+    cfg = model_config(c.model, NUM_WORDS, SEQ_LEN)
+    return Bert(cfg), cfg, c.train
+
+
+def make_batch(batch_size: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, NUM_WORDS, (batch_size, SEQ_LEN))
+    return mask_batch(tokens, np.full(batch_size, SEQ_LEN), NUM_WORDS, rng, masking="bert")
+
+
+def num_params(model) -> int:
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, SEQ_LEN), jnp.int32))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(shapes)))
+
+
+class JaxStep:
+    """The jitted, donated library step with its state; `__call__` runs one step and blocks."""
+
+    def __init__(self, model, optimizer, batch: dict, dropout: bool, compiler_options: dict):
+        params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((2, SEQ_LEN), jnp.int32))["params"])
+        self.state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+        self.batch = jax.device_put(batch)
+        self.fn = functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, dropout=dropout)
+        jitted = jax.jit(self.fn, donate_argnums=0)
+        t0 = time.perf_counter()
+        self.compiled = jitted.lower(self.state, self.batch).compile(compiler_options=compiler_options or None)
+        self.compile_s = time.perf_counter() - t0
+        before = jax.tree.leaves(self.state)
+        self()  # first call: allocation, thread-pool warm-up
+        self.donated = all(x.is_deleted() for x in before)
+
+    def __call__(self):
+        self.state, metrics = self.compiled(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        return metrics
+
+    def memory(self) -> dict:
+        m = self.compiled.memory_analysis()
+        state = sum(x.nbytes for x in jax.tree.leaves(self.state))
+        peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        return dict(state_mib=state / MIB, aliased_mib=m.alias_size_in_bytes / MIB, temp_mib=m.temp_size_in_bytes / MIB,
+                    peak_mib=peak / MIB)
+
+    def xla_flops(self) -> float:
+        cost = self.compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        return float(cost.get("flops", float("nan"))) if cost else float("nan")
+
+    def state_copies(self) -> dict:
+        """Copies of the step's arguments in the optimized HLO (XLA copies a donated weight when it cannot order
+        the in-place update after the weight's last read): count and MiB."""
+        entry = self.compiled.as_text().split("\nENTRY", 1)[1]
+        args = {ln.split(" = ")[0].strip().lstrip("%") for ln in entry.splitlines() if " parameter(" in ln}
+        n, nbytes = 0, 0
+        for ln in entry.splitlines():
+            if " copy(" in ln and ln.split(" copy(", 1)[1].split(")", 1)[0].strip().lstrip("%") in args:
+                dtype, dims = ln.split(" = ", 1)[1].split("[", 1)[0], ln.split("[", 1)[1].split("]", 1)[0]
+                n += 1
+                nbytes += math.prod(int(d) for d in dims.split(",") if d) * _HLO_BYTES.get(dtype, 4)
+        return dict(state_copies=n, state_copy_mib=nbytes / MIB)
+
+
+# ------------------------------------------------------------------ replays that explain the step's time
+
+
+def _dot_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _dot_eqns(sub)
+
+
+def dot_replay(step_fn, state, batch):
+    """(call, flops, count): every dot_general of one step (same shapes, dimension numbers, precision) run alone
+    in one jitted program, inputs shared per shape; and the step's matmul FLOPs (2 * out size * contracted)."""
+    closed = jax.make_jaxpr(step_fn)(state, batch)
+    eqns = list(_dot_eqns(closed.jaxpr))
+    avals, plan, flops = {}, [], 0.0
+    for e in eqns:
+        lhs, rhs = (v.aval for v in e.invars)
+        ids = [avals.setdefault((a.shape, str(a.dtype)), len(avals)) for a in (lhs, rhs)]
+        (lc, _), _ = e.params["dimension_numbers"]
+        contracted = math.prod(lhs.shape[d] for d in lc)
+        flops += 2.0 * math.prod(e.outvars[0].aval.shape) * contracted
+        plan.append((ids, e.params["dimension_numbers"], e.params.get("precision"),
+                     e.params.get("preferred_element_type")))
+    rng = np.random.default_rng(0)
+    inputs = [jnp.asarray(rng.standard_normal(shape).astype(dtype)) for (shape, dtype) in avals]
+
+    @jax.jit
+    def run(*xs):
+        return [jax.lax.dot_general(xs[i], xs[j], dn, precision=p, preferred_element_type=t)
+                for (i, j), dn, p, t in plan]
+
+    jax.block_until_ready(run(*inputs))
+    return (lambda: jax.block_until_ready(run(*inputs))), flops, len(eqns)
+
+
+def optimizer_replay(optimizer, params):
+    """call: the AdamW update + apply_updates alone on a params-shaped gradient, state donated."""
+    params = jax.tree.map(jnp.copy, params)  # ours to donate
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    holder = {"s": (params, optimizer.init(params))}
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def update(s, g):
+        p, o = s
+        u, o = optimizer.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    def call():
+        holder["s"] = update(holder["s"], grads)
+        jax.block_until_ready(holder["s"])
+
+    call()
+    return call
+
+
+# ------------------------------------------------------------------ Hugging Face baseline
+
+
+def hf_available() -> str | None:
+    """None if torch + transformers import, else why not."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def hf_case(cfg, train, batch: dict, threads: int):
+    """(call, num_params): one eager BertForMaskedLM (post-LN) + torch.optim.AdamW step, the same shape."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    hc = transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.heads, intermediate_size=cfg.ff, max_position_embeddings=SEQ_LEN,
+        hidden_act="gelu_new" if cfg.gelu_approximate else "gelu", hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout, layer_norm_eps=cfg.ln_eps)
+    model = transformers.BertForMaskedLM(hc).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.b1, train.b2), eps=train.eps,
+                            weight_decay=train.weight_decay)
+    ids = torch.from_numpy(np.array(batch["tokens"], np.int64))
+    labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
+
+    def call():
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    call()
+    return call, sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------ driver
+
+
+def bench_shape(shape: str, args, peak_case) -> dict:
+    model, cfg, train = make_model(shape)
+    optimizer = optim.optimizer(train)
+    batch = make_batch(args.batch)
+    tokens = args.batch * SEQ_LEN
+    co = dict(kv.split("=", 1) for kv in args.xla_option)
+    drop = JaxStep(model, optimizer, batch, dropout=True, compiler_options=co)
+    nodrop = JaxStep(model, optimizer, batch, dropout=False, compiler_options=co)
+    mm_call, mm_flops, n_dots = dot_replay(drop.fn, drop.state, drop.batch)
+    cases = {"peak": peak_case[0], "jax": drop, "jax_nodrop": nodrop, "dots": mm_call,
+             "adamw": optimizer_replay(optimizer, drop.state["params"])}
+    hf_params = None
+    if not args.no_hf and hf_available() is None:
+        cases["hf"], hf_params = hf_case(cfg, train, batch, cpu_count())
+    t = {k: np.median(v, axis=0) for k, v in interleave(cases, args.steps).items()}  # (wall, cpu) per call
+    peak, peak_cpu = peak_case[1] / t["peak"][0], peak_case[1] / t["peak"][1]  # FLOP/s; FLOP per CPU-s
+    r = dict(shape=shape, params=num_params(model), hf_params=hf_params, batch=args.batch, tokens=tokens,
+             compile_s=drop.compile_s, compile_nodrop_s=nodrop.compile_s, matmul_gflop=mm_flops / 1e9,
+             xla_gflop=drop.xla_flops() / 1e9, dots=n_dots, peak_gflops=peak / 1e9, peak_gflops_cpu=peak_cpu / 1e9,
+             donated=drop.donated, **drop.state_copies(), **drop.memory())
+    for k, (wall, cpu) in t.items():
+        r[f"{k}_ms"], r[f"{k}_cpu_ms"] = wall * 1e3, cpu * 1e3
+    r["matmul_at_peak_ms"] = mm_flops / peak * 1e3
+    return r
+
+
+def report(r: dict, hf_note: str | None) -> None:
+    tok, mm = r["tokens"], r["matmul_gflop"]
+
+    def row(label, key, extra=""):
+        wall, cpu = r[f"{key}_ms"], r[f"{key}_cpu_ms"]
+        print(f"    {label:34s} {wall:9.1f} {cpu:9.1f}  {extra}")
+
+    def step_extra(key):
+        wall, cpu = r[f"{key}_ms"], r[f"{key}_cpu_ms"]
+        s = (f"{tok / wall * 1e3:8.0f} tok/s  {mm / wall * 1e3 / r['peak_gflops']:4.0%} of the matmul peak "
+             f"({mm / cpu * 1e3 / r['peak_gflops_cpu']:4.0%} by CPU-s)")
+        if "hf_ms" in r:
+            s += f"  JAX/HF {r['hf_ms'] / wall:.2f}x ({r['hf_cpu_ms'] / cpu:.2f}x by CPU-s)"
+        return s
+
+    print(f"\n{r['shape']}: {r['params'] / 1e6:.2f}M params, {tok} tokens/step, {mm:.1f} GFLOP of matmuls/step "
+          f"(XLA cost_analysis {r['xla_gflop']:.1f} GFLOP); compile {r['compile_s']:.1f} s "
+          f"(dropout off {r['compile_nodrop_s']:.1f} s)")
+    print(f"    {'':34s} {'wall ms':>9s} {'CPU-ms':>9s}")
+    row("JAX step, dropout 0.1 (training)", "jax", step_extra("jax"))
+    row("JAX step, dropout off", "jax_nodrop", step_extra("jax_nodrop"))
+    if "hf_ms" in r:
+        row(f"HF post-LN BERT + AdamW ({r['hf_params'] / 1e6:.2f}M)", "hf", f"{tok / r['hf_ms'] * 1e3:8.0f} tok/s")
+    else:
+        print(f"    HF comparison skipped: {hf_note}")
+    row("matmul peak: 2048^3 matmul", "peak",
+        f"{r['peak_gflops']:.1f} GFLOP/s wall, {r['peak_gflops_cpu']:.1f} GFLOP per CPU-s")
+    print("  where the JAX step's time goes (dropout on):")
+    at_peak = (mm / r["peak_gflops"] * 1e3, mm / r["peak_gflops_cpu"] * 1e3)
+    print(f"    {'its matmuls at the measured peak':34s} {at_peak[0]:9.1f} {at_peak[1]:9.1f}  "
+          f"= {at_peak[0] / r['jax_ms']:.0%} of the step ({at_peak[1] / r['jax_cpu_ms']:.0%} by CPU-s)")
+    row(f"its {r['dots']} dot_generals replayed alone", "dots",
+        f"matmuls run at {at_peak[0] / r['dots_ms']:.0%} of the peak at these shapes "
+        f"({at_peak[1] / r['dots_cpu_ms']:.0%} by CPU-s)")
+    row("AdamW update + apply_updates alone", "adamw")
+    rest = (r["jax_ms"] - r["dots_ms"] - r["adamw_ms"], r["jax_cpu_ms"] - r["dots_cpu_ms"] - r["adamw_cpu_ms"])
+    print(f"    {'the rest':34s} {rest[0]:9.1f} {rest[1]:9.1f}  = {rest[0] / r['jax_ms']:.0%} "
+          f"({rest[1] / r['jax_cpu_ms']:.0%} by CPU-s): layer norms, GELU, softmax, dropout masks, residual adds, "
+          "bias gradients, loss, metric norms, copies")
+    print(f"    {'of which dropout (on - off)':34s} {r['jax_ms'] - r['jax_nodrop_ms']:9.1f} "
+          f"{r['jax_cpu_ms'] - r['jax_nodrop_cpu_ms']:9.1f}")
+    print(f"  memory: XLA peak {r['peak_mib']:.0f} MiB = state {r['state_mib']:.1f} MiB (donated: "
+          f"{'yes' if r['donated'] else 'NO'}; {r['aliased_mib']:.1f} MiB updated in place) + temporaries "
+          f"{r['temp_mib']:.0f} MiB + batch; XLA copies {r['state_copies']} state arrays "
+          f"({r['state_copy_mib']:.2f} MiB) inside the step")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="", help="comma list of Table 3 names (default: all up to --max-params)")
+    ap.add_argument("--batch", type=int, default=256, help="sentences per step")
+    ap.add_argument("--steps", type=int, default=5, help="timed samples per case (interleaved rounds)")
+    ap.add_argument("--max-params", type=float, default=5e6, help="skip default shapes larger than this")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    ap.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="XLA compiler option for the JAX step, e.g. xla_cpu_experimental_ynn_fusion_type=")
+    ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = ap.parse_args(argv)
+    # Busy-waiting OpenMP threads (torch's default) collapse when other processes share the cores; sleeping ones
+    # cost a little on an idle machine. Must be set before torch loads libgomp.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    t_start = time.perf_counter()
+    hf_note = ("--no-hf" if args.no_hf else hf_available())
+    if hf_note and not args.no_hf:
+        hf_note = (f"torch/transformers not importable ({hf_note}); to enable: pip install torch==2.13.0 "
+                   "(CPU wheel), then pip install -e '.[hf]'")
+    print(f"machine: {load_line()}; JAX {jax.__version__} on {jax.devices()[0].platform} "
+          f"({cpu_count()} XLA threads)")
+    if hf_note is None:
+        import torch
+        import transformers
+
+        print(f"HF: torch {torch.__version__} ({cpu_count()} threads, OMP_WAIT_POLICY="
+              f"{os.environ['OMP_WAIT_POLICY']}), transformers {transformers.__version__}")
+    peak0 = matmul_peak(2048, 3)
+    print(f"float32 matmul peak (2048^3 jnp.matmul): {peak0['gflops_best']:.1f} GFLOP/s best of 3 "
+          f"(re-measured between the steps below)")
+
+    names = [s for s in args.shapes.split(",") if s] or list(TABLE3)
+    unknown = [s for s in names if s not in TABLE3]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; choose from {', '.join(TABLE3)}")
+    run, skipped = [], []
+    for name in names:
+        model, _, _ = make_model(name)
+        n = num_params(model)
+        if args.shapes or n <= args.max_params:
+            run.append(name)
+        else:
+            est = 6 * n * args.batch * SEQ_LEN / (peak0["gflops_best"] * 1e9) / 0.4
+            skipped.append(f"{name} ({n / 1e6:.1f}M params, ~{est:.0f} s/step here)")
+    print(f"seq {SEQ_LEN}, vocab {NUM_WORDS}+3, batch {args.batch}, {args.steps} interleaved samples per case; "
+          f"shapes: {', '.join(run)}")
+    if skipped:
+        print(f"skipped (> --max-params {args.max_params:.0e}; estimated at 40% of the matmul peak, too slow for "
+              f"a default run on {cpu_count()} CPUs; pass --shapes to run them): {', '.join(skipped)}")
+
+    peak_case = matmul_case(2048)
+    results = []
+    for name in run:
+        r = bench_shape(name, args, peak_case)
+        report(r, hf_note)
+        results.append(r)
+        sys.stdout.flush()
+
+    print(f"\nsummary (batch {args.batch}, seq {SEQ_LEN}, medians; JAX/HF > 1 means JAX is faster):")
+    print(f"  {'shape':10s} {'tok/s drop':>11s} {'tok/s nodrop':>12s} {'% peak':>7s} {'JAX/HF':>7s} "
+          f"{'JAX/HF cpu':>10s} {'compile s':>9s} {'XLA MiB':>8s}")
+    for r in results:
+        hf = f"{r['hf_ms'] / r['jax_ms']:7.2f} {r['hf_cpu_ms'] / r['jax_cpu_ms']:10.2f}" if "hf_ms" in r else \
+            f"{'-':>7s} {'-':>10s}"
+        tps, tps_off = r["tokens"] / r["jax_ms"] * 1e3, r["tokens"] / r["jax_nodrop_ms"] * 1e3
+        print(f"  {r['shape']:10s} {tps:11.0f} {tps_off:12.0f} "
+              f"{r['matmul_gflop'] / r['jax_ms'] * 1e3 / r['peak_gflops']:7.0%} {hf} {r['compile_s']:9.1f} "
+              f"{r['peak_mib']:8.0f}")
+    print(f"machine at the end: {load_line()}; process peak RSS {peak_rss_mb():.0f} MiB; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

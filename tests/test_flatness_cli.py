@@ -1,0 +1,89 @@
+"""flatlm.flatness.cli: the `flatness` and `grow` verbs end to end on a stand-in for flatlm.checkpoint's Run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from flatness_tiny import fast_compile, init, mlm_batch
+
+from flatlm.errors import UserError
+from flatlm.flatness import cli
+from flatlm.models.bert import Bert, BertConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+    with fast_compile():
+        yield
+
+
+@dataclasses.dataclass
+class FakeRun:
+    """The interface cli.py expects from flatlm.checkpoint.load_run(workdir)."""
+
+    model: Bert
+    params: dict
+    steps: tuple = (100, 200)
+    config: object = None
+    language: object = None
+
+    def load_params(self, step: int) -> dict:
+        return self.params
+
+    def eval_batches(self, num_batches: int, batch_size: int, seed: int):
+        return [mlm_batch(seed + i, batch_size=batch_size, num_words=self.model.cfg.num_words, length=8)
+                for i in range(num_batches)]
+
+
+@pytest.fixture(scope="module")
+def run():
+    cfg = BertConfig(num_words=7, max_len=8, d_model=16, num_layers=1, num_heads=2, dropout=0.0,
+                     attention_dropout=0.0)
+    model = Bert(cfg)
+    return FakeRun(model=model, params=init(model, 0, scale=4.0))
+
+
+def _main(argv, run, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_load_run", lambda workdir: run)
+    parser = argparse.ArgumentParser(prog="flatlm")
+    cli.add_parser(parser.add_subparsers(dest="verb", required=True))
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def test_flatness_json_and_table(run, monkeypatch, capsys):
+    out = _main(["flatness", "--workdir", "w", "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
+                 "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--json"], run, monkeypatch, capsys)
+    res = json.loads(out)
+    assert res["method"] == "fisher" and [r["step"] for r in res["results"]] == [100, 200]
+    assert res["results"][0]["mean"] > 0 and res["results"][0]["num_batches"] == 2
+    table = _main(["flatness", "--workdir", "w", "--method", "hutchinson", "--num-probes", "4", "--num-batches", "1",
+                   "--batch-size", "4", "--chunk-size", "4"], run, monkeypatch, capsys)
+    assert table.splitlines()[0].split()[:3] == ["step", "method", "mean"] and "200" in table
+    with pytest.raises(UserError, match="no checkpoint"):
+        _main(["flatness", "--workdir", "w", "--steps", "5"], run, monkeypatch, capsys)
+
+
+def test_grow_check_and_out(run, monkeypatch, capsys, tmp_path):
+    out = tmp_path / "big.npz"
+    res = json.loads(_main(["grow", "--workdir", "w", "--d-model", "32", "--num-layers", "2", "--check",
+                            "--batch-size", "4", "--num-batches", "1", "--out", str(out), "--json"],
+                           run, monkeypatch, capsys))
+    assert res["big"]["d_model"] == 32 and res["max_abs_logit_diff"] < 1e-5
+    assert res["loss_big"] == pytest.approx(res["loss_small"], abs=1e-5)
+    saved = np.load(out)
+    assert json.loads(str(saved["__config__"]))["num_layers"] == 2 and saved["layer_1/mlp/wo"].shape == (128, 32)
+    with pytest.raises(UserError, match="cannot grow"):
+        _main(["grow", "--workdir", "w", "--d-model", "24", "--num-layers", "2"], run, monkeypatch, capsys)
+    with pytest.raises(UserError, match="--to"):
+        _main(["grow", "--workdir", "w", "--to", "L3-H7"], run, monkeypatch, capsys)
+
+
+def test_format_table():
+    text = cli.format_table([{"a": 1.23456789, "b": None}, {"a": 2.0, "b": "x"}], ["a", "b"])
+    assert text.splitlines() == ["     a  b", "1.2346  -", "     2  x"]

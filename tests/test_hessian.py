@@ -1,0 +1,246 @@
+"""flatlm.flatness.hessian: HVPs against jax.hessian, Hutchinson / Hutch++ against exact traces, and agreement
+between one device and a simulated 8-device mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert, tiny_lstm
+from jax.flatten_util import ravel_pytree
+
+from flatlm.flatness import hessian as hs
+from flatlm.flatness.estimates import TraceEstimate
+from flatlm.train.losses import mlm_loss
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+    with fast_compile():
+        yield
+
+
+def _case(make):
+    with float64_everywhere():
+        model, params = make()
+        batch = mlm_batch(0)
+        loss = lambda p: mlm_loss(p, batch, model.apply)
+        H, _ = hs.exact_hessian(loss, params)
+        return model, params, loss, np.asarray(H)
+
+
+@pytest.fixture(scope="module")
+def bert_case():
+    return _case(tiny_bert)
+
+
+@pytest.fixture(scope="module")
+def bert_hutchinson(bert_case):
+    _, params, loss, _ = bert_case
+    with float64_everywhere():
+        return hs.hutchinson_trace(loss, params, jax.random.key(0), 2000, chunk_size=250)
+
+
+def _toy_params():
+    rng = np.random.default_rng(0)
+    return {"a": jnp.asarray(rng.normal(size=(3, 4))), "b": {"c": jnp.asarray(rng.normal(size=(5,)))},
+            "d": jnp.asarray(rng.normal(size=(2, 2)))}
+
+
+def _toy_loss(params, batch):
+    """Non-quadratic loss whose Hessian changes with the batch: 0.5 x.Ax + s.cos(x) + (u.x)^2 + 0.1 sum x^4."""
+    x, _ = ravel_pytree(params)
+    return 0.5 * x @ batch["A"] @ x + batch["s"] @ jnp.cos(x) + (batch["u"] @ x) ** 2 + 0.1 * jnp.sum(x**4)
+
+
+def _toy_batches(n: int, P: int = 21):
+    rng = np.random.default_rng(1)
+    M = rng.normal(size=(P, P))
+    A = M + M.T
+    return [{"A": jnp.asarray(A), "s": jnp.asarray(rng.normal(size=P)), "u": jnp.asarray(rng.normal(size=P))}
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("make", [tiny_bert, tiny_lstm], ids=["bert", "lstm"])
+def test_hvp_equals_hessian_times_v(make, bert_case):
+    model, params, loss, H = bert_case if make is tiny_bert else _case(make)
+    with float64_everywhere():
+        for kind in ("gaussian", "rademacher"):
+            v = hs.probe_like(jax.random.key(3), params, kind)
+            hv = jax.jit(hs.hvp, static_argnums=0)(loss, params, v)
+            assert jax.tree.structure(hv) == jax.tree.structure(params)
+            np.testing.assert_allclose(ravel_pytree(hv)[0], H @ ravel_pytree(v)[0], rtol=0, atol=1e-10)
+
+
+def test_probe_like_is_independent_per_leaf():
+    params = {"w1": jnp.zeros((64, 32)), "w2": jnp.zeros((64, 32)), "b": jnp.zeros((7,), jnp.bfloat16)}
+    v = hs.probe_like(jax.random.key(0), params)
+    assert v["b"].dtype == jnp.bfloat16 and v["w1"].shape == (64, 32)
+    assert set(np.unique(np.asarray(v["w1"]))) == {-1.0, 1.0}
+    assert abs(float(jnp.mean(v["w1"] * v["w2"]))) < 0.1  # a reused key would give identical tensors (mean 1)
+    assert abs(float(jnp.mean(v["w1"]))) < 0.1
+    again = hs.probe_like(jax.random.key(0), params)
+    other = hs.probe_like(jax.random.key(1), params)
+    assert bool(jnp.all(again["w1"] == v["w1"])) and not bool(jnp.all(other["w1"] == v["w1"]))
+    g = np.asarray(hs.probe_like(jax.random.key(0), {"x": jnp.zeros((200, 200))}, "gaussian")["x"])
+    assert abs(g.mean()) < 0.02 and abs(g.var() - 1) < 0.03 and abs((g**4).mean() - 3) < 0.15
+    with pytest.raises(ValueError):
+        hs.probe_like(jax.random.key(0), params, "uniform")
+
+
+def test_hutchinson_matches_exact_trace_on_bert(bert_case, bert_hutchinson):
+    _, _, _, H = bert_case
+    est = bert_hutchinson
+    tr, frob2 = np.trace(H), np.sum(H * H)
+    assert abs(est.mean - tr) < 3 * est.stderr
+    assert abs(est.trace_sq - frob2) < 3 * est.trace_sq_stderr
+    # Rademacher variance: Var(v.Hv) = 2 (||H||_F^2 - sum_i H_ii^2).
+    predicted = np.sqrt(2 * (frob2 - np.sum(np.diag(H) ** 2)))
+    assert est.sample_std == pytest.approx(predicted, rel=0.1)
+    assert est.stderr == pytest.approx(est.sample_std / np.sqrt(2000), rel=1e-6)
+    assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-10)
+    assert est.num_samples == 2000 and est.num_batches == 1 and est.data_std is None
+
+
+def test_per_group_traces(bert_case, bert_hutchinson):
+    _, params, _, H = bert_case
+    with jax.enable_x64(True):
+        diag = jax.tree.map(np.asarray, ravel_pytree(params)[1](np.diag(H)))
+    assert set(bert_hutchinson.per_group) == set(params)
+    for name, value in diag.items():  # 8 groups: allow 4 standard errors each
+        exact = float(sum(np.sum(x) for x in jax.tree.leaves(value)))
+        assert abs(bert_hutchinson.per_group[name] - exact) < 4 * bert_hutchinson.per_group_stderr[name] + 1e-9
+
+
+def test_exact_trace():
+    with jax.enable_x64(True):
+        params, batches = _toy_params(), _toy_batches(2)
+        H, unravel = hs.exact_hessian(_toy_loss, params, batches)
+        est = hs.exact_trace(_toy_loss, params, batches=batches, groups="leaf")
+        assert est.mean == pytest.approx(float(jnp.trace(H)), rel=1e-12) and est.stderr == 0.0
+        assert est.trace_sq == pytest.approx(float(jnp.sum(H * H)), rel=1e-12)
+        assert set(est.per_group) == {"a", "b/c", "d"}
+        assert est.per_group["b/c"] == pytest.approx(float(jnp.sum(unravel(jnp.diag(H))["b"]["c"])), rel=1e-12)
+
+
+def test_hutchinson_streams_batches_and_splits_variance():
+    with jax.enable_x64(True):
+        params, batches = _toy_params(), _toy_batches(3)
+        H, unravel = hs.exact_hessian(_toy_loss, params, batches)
+        groups = lambda path: "ab" if path[0] in ("a", "b") else "d"
+        est = hs.hutchinson_trace(_toy_loss, params, jax.random.key(0), 3000, batches=iter(batches),
+                                  chunk_size=100, groups=groups)
+        assert est.num_batches == 3 and est.num_samples == 9000 and set(est.per_group) == {"ab", "d"}
+        assert abs(est.mean - float(jnp.trace(H))) < 3 * est.probe_stderr
+        assert est.data_std is not None and est.data_std > 0 and est.stderr > est.probe_stderr
+        assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-12)
+        # Probes depend only on (key, batch, index): the chunking does not change the samples.
+        one = hs.hutchinson_trace(_toy_loss, params, jax.random.key(0), 30, batches=batches[:1], chunk_size=1)
+        many = hs.hutchinson_trace(_toy_loss, params, jax.random.key(0), 30, batches=batches[:1], chunk_size=7)
+        assert one.mean == pytest.approx(many.mean, rel=1e-12)
+        # Gaussian probes (the released code's): Var(v.Hv) = 2 ||H||_F^2, for a single-batch loss.
+        H1, _ = hs.exact_hessian(_toy_loss, params, batches[:1])
+        g = hs.hutchinson_trace(lambda p: _toy_loss(p, batches[0]), params, jax.random.key(1), 4000, kind="gaussian",
+                                chunk_size=200)
+        assert abs(g.mean - float(jnp.trace(H1))) < 3 * g.stderr
+        assert g.sample_std == pytest.approx(float(jnp.sqrt(2 * jnp.sum(H1 * H1))), rel=0.1)
+
+
+def test_hutchpp_on_psd_operator():
+    with jax.enable_x64(True):
+        params = _toy_params()
+        rng = np.random.default_rng(2)
+        U = rng.normal(size=(21, 4)) * np.array([30.0, 20.0, 10.0, 5.0])
+        A = jnp.asarray(U @ U.T + np.diag(rng.uniform(0, 0.1, size=21)))  # dominant low rank + small full rank
+        _, unravel = ravel_pytree(params)
+        matvec = lambda p, v: unravel(A @ ravel_pytree(v)[0])
+        est = hs.hutchpp_trace(matvec, params, jax.random.key(0), 30, chunk_size=4)
+        plain = hs.hutchinson_trace(lambda p: 0.5 * ravel_pytree(p)[0] @ A @ ravel_pytree(p)[0], params,
+                                    jax.random.key(0), 30)
+        tr = float(jnp.trace(A))
+        assert abs(est.mean - tr) < 3 * est.stderr + 1e-9
+        assert est.stderr < 0.05 * plain.stderr
+        assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-10)
+        diag = unravel(jnp.diag(A))
+        assert est.per_group["d"] == pytest.approx(float(jnp.sum(diag["d"])), abs=4 * est.per_group_stderr["d"] + 1e-9)
+        batches = [{"scale": 1.0}, {"scale": 3.0}]  # streamed operator: mean over batches of scale * A
+        est2 = hs.hutchpp_trace(lambda p, v, b: jax.tree.map(lambda x: b["scale"] * x, matvec(p, v)), params,
+                                jax.random.key(0), 30, batches=batches)
+        assert est2.mean == pytest.approx(2 * est.mean, rel=1e-6)
+
+
+def test_trace_estimate_to_dict_is_json():
+    est = TraceEstimate(mean=1.0, stderr=float("nan"), num_samples=3, per_group={"a": 1.0})
+    d = json.loads(json.dumps(est.to_dict(), allow_nan=False))
+    assert d["mean"] == 1.0 and d["stderr"] is None and d["per_group"] == {"a": 1.0}
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, "tests")
+    import jax, jax.flatten_util, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert
+    from flatlm.flatness import hessian as hs
+    from flatlm.flatness.fisher import fisher_trace
+    from flatlm.train.losses import mlm_loss
+
+    assert jax.device_count() == 8
+    f64 = float64_everywhere()  # keep a reference: the context lasts for the whole script
+    f64.__enter__()
+    model, params = tiny_bert()
+    batch = mlm_batch(0, batch_size=8)
+    loss = lambda p, b: mlm_loss(p, b, model.apply)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+    def spec(x):  # shard the first even axis on "model", like a tensor-parallel layout
+        axes = [None] * x.ndim
+        for i, n in enumerate(x.shape):
+            if n % 2 == 0:
+                axes[i] = "model"
+                break
+        return NamedSharding(mesh, P(*axes))
+
+    shardings = jax.tree.map(spec, params)
+    p_mesh = jax.device_put(params, shardings)
+    b_mesh = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    assert len(p_mesh["layer_0"]["mlp"]["wi"].sharding.device_set) == 8
+    key = jax.random.key(0)
+    out = {}
+    for name, p, b, s in [("one", params, batch, None), ("mesh", p_mesh, b_mesh, shardings)]:
+        hv = jax.jit(lambda q, c: hs.hvp(lambda r: loss(r, c), q, hs.probe_like(key, q, shardings=s)))(p, b)
+        est = hs.hutchinson_trace(loss, p, key, 64, batches=[b], chunk_size=8, shardings=s)
+        fis = fisher_trace(model.apply, p, [b], key, num_draws=16, method="summed", draw_chunk_size=4)
+        out[name] = {"hv": np.asarray(jax.flatten_util.ravel_pytree(hv)[0]).tolist(),
+                     "est": est.to_dict(), "fisher": fis.to_dict()}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_one_device_and_8_device_mesh_agree():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    one, mesh = out["one"], out["mesh"]
+    np.testing.assert_allclose(mesh["hv"], one["hv"], rtol=1e-9, atol=1e-9)
+    for key in ("est", "fisher"):
+        a, b = one[key], mesh[key]
+        assert b["mean"] == pytest.approx(a["mean"], rel=1e-9)
+        assert b["stderr"] == pytest.approx(a["stderr"], rel=1e-6)
+        for g in a["per_group"]:
+            assert b["per_group"][g] == pytest.approx(a["per_group"][g], rel=1e-7, abs=1e-9)
+    assert mesh["est"]["trace_sq"] == pytest.approx(one["est"]["trace_sq"], rel=1e-9)
+    assert sum(one["est"]["per_group"].values()) == pytest.approx(one["est"]["mean"], rel=1e-10)

@@ -1,0 +1,362 @@
+"""PCFG language: exact inference against independent float64 recursions over parse trees, brute force over
+candidate words and whole sentence sets, sampling against exact probabilities, task labels against a
+per-sentence CKY, the rules-file format, and random_grammar's released shape."""
+
+import functools
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from flatlm.errors import UserError
+from flatlm.languages.base import special_ids
+from flatlm.languages.pcfg import PCFG, dense_grammar, random_grammar
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """N=3, V=4, every rule positive: every string is a sentence (recursive, capped at 6 words)."""
+    return dense_grammar(0, num_nonterminals=3, num_words=4, emit_prob=0.4, max_length=6, batch_size=16,
+                         bucket_lengths=False)
+
+
+@pytest.fixture(scope="module")
+def layered():
+    """Released shape in miniature: S1..S3 -> A1 A1, three layers of 3 symbols, 8 words, sentences of 2..8
+    words, and many exact zeros (each middle symbol emits a single word). Batches of 16 sentences at the
+    full width, so that every test reuses the same few compiled kernels."""
+    return random_grammar(1, num_roots=3, levels=3, symbols_per_level=3, num_words=8, rules_per_symbol=4,
+                          leaf_rules=4, batch_size=16, bucket_lengths=False)
+
+
+# ---- independent references (float64 numpy, one sentence at a time) -----------------------------------
+
+
+def ref_inside(g: PCFG, words) -> dict:
+    """inside[(i, j)][A] = P(A =>* words[i:j]) as the sum over all parse trees (word None: any word)."""
+
+    @functools.cache
+    def inside(i: int, j: int) -> np.ndarray:
+        if j == i + 1:
+            return g.emit.sum(1) if words[i] is None else g.emit[:, words[i]].copy()
+        total = np.zeros(g.num_nonterminals)
+        for k in range(i + 1, j):
+            total += np.einsum("abc,b,c->a", g.binary, inside(i, k), inside(k, j))
+        return total
+
+    return {(i, j): inside(i, j) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+
+
+def ref_prob(g: PCFG, words) -> float:
+    return float(g.root @ ref_inside(g, words)[(0, len(words))]) if len(words) else 0.0
+
+
+def ref_conditionals(g: PCFG, words) -> np.ndarray:
+    """[L, V]: P(x_t = w | x_-t) from P(x)-ratios over the V candidate words (zeros if all are 0)."""
+    out = np.zeros((len(words), g.vocab_size))
+    for t in range(len(words)):
+        p = np.array([ref_prob(g, [*words[:t], w, *words[t + 1:]]) for w in range(g.vocab_size)])
+        out[t] = p / p.sum() if p.sum() > 0 else 0.0
+    return out
+
+
+def ref_span_joint(g: PCFG, words, A: int, i0: int, j0: int) -> float:
+    """P(x, some tree has node A over [i0, j0)): an inside pass restricted to trees containing that node."""
+    inside = ref_inside(g, words)
+    n = len(words)
+
+    @functools.cache
+    def constrained(i: int, j: int) -> np.ndarray:
+        if (i, j) == (i0, j0):
+            return np.eye(g.num_nonterminals)[A] * inside[(i, j)][A]
+        if not (i <= i0 and j0 <= j) or j - i <= j0 - i0:
+            return np.zeros(g.num_nonterminals)
+        total = np.zeros(g.num_nonterminals)
+        for k in range(i + 1, j):  # the node sits in exactly one of the two subtrees
+            if k <= i0:
+                total += np.einsum("abc,b,c->a", g.binary, inside[(i, k)], constrained(k, j))
+            elif k >= j0:
+                total += np.einsum("abc,b,c->a", g.binary, constrained(i, k), inside[(k, j)])
+        return total
+
+    return float(g.root @ constrained(0, n))
+
+
+def ref_length_distribution(g: PCFG, L: int) -> np.ndarray:
+    """P(length = l), l = 0..L, by the all-ones-leaf inside recursion in numpy."""
+    beta = {1: g.emit.sum(1)}
+    for w in range(2, L + 1):
+        beta[w] = sum(np.einsum("abc,b,c->a", g.binary, beta[d], beta[w - d]) for d in range(1, w))
+    return np.array([0.0] + [g.root @ beta[w] for w in range(1, L + 1)])
+
+
+def sentences_of(tokens, lengths, V):
+    return [[int(w) if w < V else None for w in tokens[b, :n]] for b, n in enumerate(lengths)]
+
+
+def garbage_padded(rng, tokens, lengths, V):
+    """Random word ids or pad beyond each length: inference must ignore them."""
+    garbage = rng.integers(0, V + 1, size=tokens.shape)
+    return np.where(np.arange(tokens.shape[1]) < lengths[:, None], tokens, garbage).astype(np.int32)
+
+
+def test_reference_probabilities_sum_to_length_distribution(dense):
+    """Sanity of the references: summing P(x) over all 4^l strings gives P(length = l)."""
+    ref = ref_length_distribution(dense, 3)
+    for L in (1, 2, 3):
+        total = sum(ref_prob(dense, list(x)) for x in itertools.product(range(4), repeat=L))
+        assert total == pytest.approx(ref[L], rel=1e-12)
+
+
+# ---- exact inference --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dense", "layered"])
+def test_log_prob_and_conditionals_float64_match_parse_tree_sums(name, request):
+    g = request.getfixturevalue(name)
+    rng = np.random.default_rng(3)
+    corpus = g.sample(12, seed=1)
+    tokens, lengths = corpus.tokens.copy(), corpus.lengths.copy()
+    # Add an impossible sentence for the layered grammar (its middle symbols each emit one word), a one-word
+    # sentence, an empty one, and a masked (unobserved) word.
+    tokens[0, :3], lengths[0] = rng.integers(0, g.vocab_size, 3), 3
+    lengths[1] = 1
+    lengths[2] = 0
+    tokens[3, 1] = special_ids(g.vocab_size).mask
+    lengths[3] = max(lengths[3], 2)
+    tokens = garbage_padded(rng, tokens, lengths, g.vocab_size)
+    tokens[3, 1] = special_ids(g.vocab_size).mask
+    with jax.enable_x64(True):
+        log_prob = g.log_prob(tokens, lengths)
+        q = g.conditionals(tokens, lengths)
+    assert log_prob.dtype == q.dtype == np.float64
+    assert q.shape == (12, g.max_length, g.vocab_size)
+    for b, words in enumerate(sentences_of(tokens, lengths, g.vocab_size)):
+        p = ref_prob(g, words)
+        assert log_prob[b] == (pytest.approx(np.log(p), rel=1e-10) if p > 0 else -np.inf)
+        np.testing.assert_allclose(q[b, : len(words)], ref_conditionals(g, words), rtol=1e-10, atol=1e-13)
+        assert np.all(q[b, len(words):] == 0)
+
+
+@pytest.mark.parametrize("name", ["dense", "layered"])
+def test_conditionals_float32_relative_1e5(name, request):
+    g = request.getfixturevalue(name)
+    corpus = g.sample(16, seed=2)
+    q = g.conditionals(corpus.tokens, corpus.lengths)
+    assert q.dtype == np.float32
+    for b, words in enumerate(sentences_of(corpus.tokens, corpus.lengths, g.vocab_size)):
+        ref = ref_conditionals(g, words)
+        np.testing.assert_allclose(q[b, : len(words)], ref, rtol=1e-5, atol=1e-5 * ref.max())
+
+
+def test_log_prob_of_every_string_sums_to_length_distribution(dense, layered):
+    """Enumerate every string of each length: sum_x P(x) = P(length), for the JAX inside pass (log_prob),
+    the all-ones-leaf pass (length_distribution) and the numpy recursion."""
+    for g, L in ((dense, 4), (layered, 3)):
+        exact = g.length_distribution()
+        np.testing.assert_allclose(exact, ref_length_distribution(g, g.max_length), rtol=1e-5, atol=1e-9)
+        for n in range(1, L + 1):
+            strings = np.array(list(itertools.product(range(g.vocab_size), repeat=n)), np.int32)
+            tokens = np.full((len(strings), g.max_length), g.vocab_size, np.int32)
+            tokens[:, :n] = strings
+            total = np.exp(g.log_prob(tokens, np.full(len(strings), n, np.int32)).astype(np.float64)).sum()
+            assert total == pytest.approx(exact[n], rel=1e-5)
+
+
+def test_sampled_conditionals_are_consistent(layered):
+    """q[x_t] > 0 for sampled sentences, rows sum to 1, padding rows are 0, and the expected surprisal
+    E[-log q_t(x_t)] equals the expected entropy of q_t (x_t is a draw from q_t given x_-t)."""
+    g = layered
+    corpus = g.sample(2000, seed=5)
+    q = g.conditionals(corpus.tokens, corpus.lengths)
+    inside = np.arange(g.max_length)[None, :] < corpus.lengths[:, None]
+    qx = np.take_along_axis(q, np.minimum(corpus.tokens, g.vocab_size - 1)[..., None], -1)[..., 0]
+    assert np.all(qx[inside] > 0)
+    np.testing.assert_allclose(q.sum(-1)[inside], 1.0, atol=1e-5)
+    assert np.all(q[~inside] == 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.where(q > 0, q * np.log(q), 0.0).sum(-1)
+        surprisal = np.where(inside, -np.log(np.where(inside, qx, 1.0)), 0.0)
+    diff = (surprisal - np.where(inside, entropy, 0.0)).sum(1)  # per sentence: independent draws
+    assert abs(diff.mean()) < 3 * diff.std() / np.sqrt(len(diff))
+
+
+def test_sample_length_histogram_matches_exact_distribution(layered):
+    exact = layered.length_distribution()
+    corpus = layered.sample(40000, seed=7)
+    counts = np.bincount(corpus.lengths, minlength=len(exact))
+    n = len(corpus)
+    assert counts.sum() == n and counts[0] == 0
+    expected = n * exact
+    assert np.all(np.abs(counts - expected) <= 4.5 * np.sqrt(expected + 1))
+    assert exact.sum() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_sample_returns_parse_trees(layered):
+    """The latent tree arrays describe a derivation of each sentence with positive probability."""
+    corpus = layered.sample(200, seed=11)
+    lat = corpus.latents
+    T = layered.max_length
+    for key in ("preterminal", "split_symbol", "split_start", "split_end"):
+        assert lat[key].shape == (200, T) and lat[key].dtype == np.int32
+    assert np.all(corpus.tokens[np.arange(T)[None] >= corpus.lengths[:, None]] == special_ids(8).pad)
+    for b in range(200):
+        n = int(corpus.lengths[b])
+        x, pre = corpus.tokens[b, :n], lat["preterminal"][b, :n]
+        assert np.all(layered.emit[pre, x] > 0) and np.all(lat["preterminal"][b, n:] == -1)
+        spans = {(t, t + 1): int(pre[t]) for t in range(n)}
+        for k in range(1, n):
+            i, j = int(lat["split_start"][b, k]), int(lat["split_end"][b, k])
+            assert i < k < j <= n
+            spans[(i, j)] = int(lat["split_symbol"][b, k])
+        assert lat["split_symbol"][b, 0] == -1 and np.all(lat["split_symbol"][b, n:] == -1)
+        assert layered.root[spans[(0, n)]] > 0
+        for k in range(1, n):
+            i, j = int(lat["split_start"][b, k]), int(lat["split_end"][b, k])
+            assert layered.binary[spans[(i, j)], spans[(i, k)], spans[(k, j)]] > 0
+
+
+def test_length_two_batches_and_bucketing_agree_with_reference(layered):
+    """Length 2 with several rows (a past XLA:CPU miscompile), and length-bucketed chunking = one chunk."""
+    bucketed = PCFG(layered.root, layered.binary, layered.emit, batch_size=8)
+    corpus = layered.sample(400, seed=3)
+    two = corpus.tokens[corpus.lengths == 2][:6, :2]
+    assert len(two) == 6
+    q2 = bucketed.conditionals(two, np.full(6, 2))  # a chart of exactly 2 words, 8 rows
+    for b in range(len(two)):
+        np.testing.assert_allclose(q2[b], ref_conditionals(layered, list(two[b])), rtol=1e-5, atol=1e-7)
+    # 16 sentences sorted by length into two chunks of 8, each with a chart of 8 words (length 2 among them)
+    pick = np.concatenate([np.flatnonzero(corpus.lengths == 2)[:6], np.flatnonzero(corpus.lengths >= 5)[:10]])
+    tokens = garbage_padded(np.random.default_rng(0), corpus.tokens[pick], corpus.lengths[pick], 8)
+    np.testing.assert_allclose(bucketed.conditionals(tokens, corpus.lengths[pick]),
+                               layered.conditionals(tokens, corpus.lengths[pick]), rtol=1e-5, atol=1e-7)
+
+
+def test_span_posteriors_and_prefix_inside(layered):
+    corpus = layered.sample(10, seed=13)
+    post = layered.span_posteriors(corpus.tokens, corpus.lengths)
+    prefix = layered.prefix_inside(corpus.tokens, corpus.lengths)
+    T, N = layered.max_length, layered.num_nonterminals
+    assert post.shape == (10, T, T + 1, N) and prefix.shape == (10, T, N)
+    for b, words in enumerate(sentences_of(corpus.tokens, corpus.lengths, 8)[:5]):
+        n = len(words)
+        assert post[b, 0, n].sum() == pytest.approx(1.0, abs=1e-5)  # the root spans the sentence
+        assert post[b].sum() == pytest.approx(2 * n - 1, abs=1e-4)  # a binary tree has 2n - 1 nodes
+        inside, p = ref_inside(layered, words), ref_prob(layered, words)
+        for k in range(1, n + 1):
+            with np.errstate(divide="ignore"):
+                np.testing.assert_allclose(prefix[b, k - 1], np.log(inside[(0, k)]), rtol=1e-5, atol=1e-5)
+        for i, j in [(0, 2), (1, n), (0, n - 1), (n - 2, n)]:
+            for A in range(N):
+                assert post[b, i, j, A] == pytest.approx(ref_span_joint(layered, words, A, i, j) / p, abs=1e-5)
+
+
+# ---- downstream tasks -------------------------------------------------------------------------------------
+
+
+def cky_labels(g: PCFG, words, task: str, definition: str) -> int:
+    """Per-sentence float64 reference of the released (argmax inside) and posterior task labels."""
+    n = len(words)
+    k = {"A": n, "B": 4, "C": 2}[task]
+    ids = np.flatnonzero(g.root) if task == "A" else np.arange(g.num_nonterminals)
+    if definition == "released":
+        score = ref_inside(g, words)[(0, k)]
+    else:
+        score = np.array([ref_span_joint(g, words, A, 0, k) for A in range(g.num_nonterminals)])
+    score = score[ids]  # ties (and all-zero) -> the first label, as the released dict order
+    return int(np.argmax(score >= score.max() * (1 - 1e-9)))
+
+
+@pytest.mark.parametrize("definition", ["released", "posterior"])
+def test_task_labels_match_per_sentence_cky(layered, definition):
+    n = 300 if definition == "released" else 100  # the posterior reference is slow Python
+    corpus, labels = layered.sample_task(n, seed=17, task="B", definition=definition)
+    assert corpus.lengths.min() >= 5 and corpus.lengths.max() <= 31 and labels.dtype == np.int32
+    sentences = sentences_of(corpus.tokens, corpus.lengths, 8)
+    for task in ("A", "B", "C"):
+        got = labels if task == "B" else layered.task_labels(corpus.tokens, corpus.lengths, task, definition)
+        want = [cky_labels(layered, words, task, definition) for words in sentences]
+        np.testing.assert_array_equal(got, want)
+        assert got.max() < layered.num_labels(task)
+    assert layered.num_labels("A") == 3 and layered.num_labels("B") == layered.num_nonterminals
+    assert layered.label_names("A") == ["S1", "S2", "S3"]
+
+
+def test_task_labels_validation(layered):
+    corpus = layered.sample(20, seed=1)
+    with pytest.raises(ValueError, match="at least 4 words"):
+        layered.task_labels(corpus.tokens, np.minimum(corpus.lengths, 3), "B")
+    with pytest.raises(ValueError, match="task must be one of"):
+        layered.task_labels(corpus.tokens, corpus.lengths, "D")
+    with pytest.raises(ValueError, match="definition"):
+        layered.task_labels(corpus.tokens, corpus.lengths, "A", definition="gold")
+
+
+# ---- rules files, construction, random grammars -----------------------------------------------------------
+
+
+def test_rules_file_round_trip(layered, tmp_path):
+    path = tmp_path / "rules.txt"
+    layered.to_rules_file(path)
+    back = PCFG.from_rules_file(path)
+    assert back.nonterminals == layered.nonterminals and back.words == layered.words
+    for name in ("root", "binary", "emit"):
+        np.testing.assert_allclose(getattr(back, name), getattr(layered, name), rtol=1e-12, atol=0)
+    assert back.max_length == layered.max_length
+
+
+def test_rules_file_sums_duplicates_renormalises_and_folds_root(tmp_path):
+    path = tmp_path / "rules.txt"
+    path.write_text("S S1 0.25\nS S2 0.75\nS1 A B 1.0\nS2 B A 0.5\nS2 B A 0.5\n"
+                    "A x 0.3\nA y 0.3\nA x 0.3\nB y 0.4\nB A B 0.5\n")
+    g = PCFG.from_rules_file(path, max_length=6)
+    assert g.nonterminals == ["S1", "S2", "A", "B"] and g.words == ["x", "y"]
+    np.testing.assert_allclose(g.root, [0.25, 0.75, 0, 0])
+    np.testing.assert_allclose(g.emit[2], [0.6 / 0.9, 0.3 / 0.9])  # duplicates summed, then renormalised
+    assert g.binary[1, 3, 2] == pytest.approx(1.0)
+    np.testing.assert_allclose(g.emit[3, 1] + g.binary[3, 2, 3], 1.0)
+    assert g.binary[3, 2, 3] == pytest.approx(0.5 / 0.9)
+    with pytest.raises(UserError, match="unbounded length; pass max_length"):
+        PCFG.from_rules_file(path)  # B -> A B is recursive
+
+
+@pytest.mark.parametrize("line, message", [
+    ("A1 w", "expected 'LHS RHS1 \\[RHS2\\] PROB'"),
+    ("A1 w 0.x", "probability '0.x' is not a number"),
+    ("A1 w -0.5", "must be finite and >= 0"),
+    ("A1 A1 Z 0.5", "'Z' has no rules of its own"),
+    ("A1 A1 0.5", "unary rule A1 -> A1"),
+])
+def test_rules_file_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.txt"
+    path.write_text(f"S A1 1.0\nA1 A1 A1 0.5\n\n{line}\nA1 w 0.5\n")
+    with pytest.raises(UserError, match=message) as err:
+        PCFG.from_rules_file(path)
+    assert f"{path}:4:" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_constructor_validates():
+    root, binary, emit = np.array([1.0, 0.0]), np.zeros((2, 2, 2)), np.array([[1.0, 0.0], [0.5, 0.4]])
+    with pytest.raises(ValueError, match="'N1' sum to 0.9"):
+        PCFG(root, binary, emit)
+    with pytest.raises(ValueError, match="binary must have shape"):
+        PCFG(root, binary[:1], emit)
+    with pytest.raises(ValueError, match="root must sum to 1"):
+        PCFG(root * 0.5, binary, np.array([[1.0, 0.0], [0.5, 0.5]]))
+    g = PCFG(root, binary, np.array([[1.0, 0.0], [0.5, 0.5]]))
+    assert (g.num_nonterminals, g.vocab_size, g.max_length) == (2, 2, 1)
+    with pytest.raises(ValueError, match="word ids"):
+        g.log_prob(np.array([[2]]), np.array([1]))
+
+
+def test_random_grammar_defaults_have_the_released_shape():
+    g = random_grammar(0)
+    assert (g.num_nonterminals, g.vocab_size, g.max_length) == (49, 200, 16)
+    assert g.nonterminals[:9] == [f"S{k}" for k in range(1, 10)] and g.nonterminals[-1] == "A4_9"
+    np.testing.assert_allclose(g.binary.reshape(49, -1).max(1)[:9], 1.0)  # Sk -> A1_i A1_j with prob 1
+    assert np.all((g.emit[9:39] > 0).sum(1) == 1) and np.all(g.emit[39:].sum(1) == pytest.approx(1.0))
+    assert np.all(g.binary[39:] == 0) and np.all(g.emit.sum(0) > 0)  # A4 only emits; every word is used
+    lengths = ref_length_distribution(g, 16)
+    assert lengths[:2].sum() == 0 and lengths.sum() == pytest.approx(1.0)
+    assert 9.7 < (np.arange(17) * lengths).sum() < 11.7  # released grammar: 10.66
