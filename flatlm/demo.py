@@ -23,11 +23,11 @@ def demo_config(steps: int = 0):
     c.language.update(name="pcfg", seed=0)
     c.data.update(train_size=20_000, eval_size=256, batch_size=128)
     c.model.update(kind="bert", d_model=128, num_layers=2, dropout=0.0, attention_dropout=0.0)
-    c.train.update(steps=steps or 1200, lr=2e-3, warmup_frac=0.06, schedule="linear", log_every=50)
-    c.train.eval_every = max(1, c.train.steps // 6)
+    c.train.update(steps=steps or 800, lr=2e-3, warmup_frac=0.06, schedule="linear", log_every=50)
+    c.train.eval_every = max(1, c.train.steps // 4)
     c.checkpoint.update(every=c.train.eval_every, keep=10)
     c.eval.update(tasks=(TASK,), task_train_size=4_000, task_eval_size=1_000, batch_size=64)
-    c.eval.probe.update(epochs=20, num_seeds=3)
+    c.eval.probe.update(epochs=15, num_seeds=3)
     c.eval.finetune.enabled = False
     c.config_spec = "flatlm.demo:demo_config"
     return c
@@ -55,7 +55,7 @@ def run(workdir: str, steps: int = 0, progress: bool = True, flatness: bool = Tr
         import ml_collections
 
         flatness_pending(Path(workdir), ml_collections.ConfigDict(dict(
-            method="fisher", num_probes=0, num_batches=2, batch_size=128, draws=8, grow_to=())), progress)
+            method="fisher", num_probes=0, num_batches=2, batch_size=64, draws=8, grow_to=())), progress)
     return summary(workdir, config)
 
 
