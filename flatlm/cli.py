@@ -38,8 +38,9 @@ def _config_from_args(args, extra: list[str]):
     return config_lib.apply_overrides(config, extra)
 
 
-def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=sys.stdout) -> None:
-    """columns: (key, header, format spec)."""
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], file=None) -> None:
+    """columns: (key, header, format spec). Prints to `file` (default: the current sys.stdout)."""
+    file = file or sys.stdout
     cells = [[h for _, h, _ in columns]]
     for row in rows:
         cells.append([_fmt(row.get(k), f) for k, _, f in columns])

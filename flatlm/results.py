@@ -35,6 +35,7 @@ def load(workdir: str) -> list[dict]:
 def append(workdir: str, entries: list[dict]) -> None:
     """Add entries (stamped with the time) to the workdir's results.json, atomically."""
     path = Path(workdir, "results.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     old = load(workdir)
     now = time.time()
     new = old + [_clean({"time": now, **e}) for e in entries]

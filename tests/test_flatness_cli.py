@@ -34,6 +34,9 @@ class FakeRun:
     def load_params(self, step: int) -> dict:
         return self.params
 
+    def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0):
+        return self.eval_batches(num_batches, batch_size, seed)
+
     def eval_batches(self, num_batches: int, batch_size: int, seed: int):
         return [mlm_batch(seed + i, batch_size=batch_size, num_words=self.model.cfg.num_words, length=8)
                 for i in range(num_batches)]
@@ -56,22 +59,23 @@ def _main(argv, run, monkeypatch, capsys):
     return capsys.readouterr().out
 
 
-def test_flatness_json_and_table(run, monkeypatch, capsys):
-    out = _main(["flatness", "--workdir", "w", "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
+def test_flatness_json_and_table(run, monkeypatch, capsys, tmp_path):
+    w = str(tmp_path)  # the verb appends to the workdir's results.json
+    out = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
                  "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--json"], run, monkeypatch, capsys)
     res = json.loads(out)
     assert res["method"] == "fisher" and [r["step"] for r in res["results"]] == [100, 200]
     assert res["results"][0]["mean"] > 0 and res["results"][0]["num_batches"] == 2
-    table = _main(["flatness", "--workdir", "w", "--method", "hutchinson", "--num-probes", "4", "--num-batches", "1",
+    table = _main(["flatness", "--workdir", w, "--method", "hutchinson", "--num-probes", "4", "--num-batches", "1",
                    "--batch-size", "4", "--chunk-size", "4"], run, monkeypatch, capsys)
     assert table.splitlines()[0].split()[:3] == ["step", "method", "mean"] and "200" in table
     with pytest.raises(UserError, match="no checkpoint"):
-        _main(["flatness", "--workdir", "w", "--steps", "5"], run, monkeypatch, capsys)
+        _main(["flatness", "--workdir", w, "--steps", "5"], run, monkeypatch, capsys)
 
 
 def test_grow_check_and_out(run, monkeypatch, capsys, tmp_path):
     out = tmp_path / "big.npz"
-    res = json.loads(_main(["grow", "--workdir", "w", "--d-model", "32", "--num-layers", "2", "--check",
+    res = json.loads(_main(["grow", "--workdir", str(tmp_path), "--d-model", "32", "--num-layers", "2", "--check",
                             "--batch-size", "4", "--num-batches", "1", "--out", str(out), "--json"],
                            run, monkeypatch, capsys))
     assert res["big"]["d_model"] == 32 and res["max_abs_logit_diff"] < 1e-5
@@ -79,9 +83,9 @@ def test_grow_check_and_out(run, monkeypatch, capsys, tmp_path):
     saved = np.load(out)
     assert json.loads(str(saved["__config__"]))["num_layers"] == 2 and saved["layer_1/mlp/wo"].shape == (128, 32)
     with pytest.raises(UserError, match="cannot grow"):
-        _main(["grow", "--workdir", "w", "--d-model", "24", "--num-layers", "2"], run, monkeypatch, capsys)
+        _main(["grow", "--workdir", str(tmp_path), "--d-model", "24", "--num-layers", "2"], run, monkeypatch, capsys)
     with pytest.raises(UserError, match="--to"):
-        _main(["grow", "--workdir", "w", "--to", "L3-H7"], run, monkeypatch, capsys)
+        _main(["grow", "--workdir", str(tmp_path), "--to", "L3-H7"], run, monkeypatch, capsys)
 
 
 def test_format_table():
