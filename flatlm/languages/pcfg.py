@@ -571,7 +571,8 @@ class _Sampler:
 
     def draw(self, rng, m: int, cap: int) -> dict[str, np.ndarray]:
         """m trees; sentences longer than `cap` are dropped (so fewer than m may come back)."""
-        sym = self.root_support[np.searchsorted(self.root_cum, rng.random(m), side="right").clip(max=self.root_cum.size - 1)]
+        pick = np.searchsorted(self.root_cum, rng.random(m), side="right").clip(max=self.root_cum.size - 1)
+        sym = self.root_support[pick]
         sent = np.arange(m, dtype=np.int64)
         alive = np.ones(m, bool)
         words_done = np.zeros(m, np.int64)
