@@ -3,14 +3,16 @@
 BERT (pre-LN) at d_model 128 and 256, sequence length 32, V = 200 words, float32, deterministic. Rows:
   hvp fwd-over-rev      one H v, `hessian.hvp` (jax.jvp of jax.grad), jitted alone
   hvp rev-over-rev      grad of (grad . v), for reference
-  hutchinson / probe    one probe of `hutchinson_trace` (primal linearised once per batch, 16 probes, chunk 1 / 4)
+  hutchinson / probe    one probe of `hutchinson_trace`, 16 probes: linearized (primal once per batch; chunk 1, 4)
+                        or jvp (primal recomputed per probe)
   fisher summed         one batch of `fisher_trace(method="summed")`, 1 draw (forward + sample + 1 backward)
   fisher summed / draw  the same with 16 draws (forward shared), per draw
-  fisher per-sample     one batch of per-context squared gradient norms (1 draw; one masked position per row)
-Memory: XLA's compiled temp + output buffers of one Hutchinson batch in units of one parameter copy, beside the
-same for a gradient step (ideally <= 4 copies more than the gradient's).
-Timings: minimum over repeats (robust to other load on the machine). Usage: python benchmarks/flatness_cost.py
-[--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 7].
+  fisher per-sample     one batch of per-context squared gradient norms (1 draw; one masked position per row;
+                        8 contexts vmapped at a time, the default)
+Memory: XLA's compiled temp + output buffers of one Hutchinson batch minus those of a gradient, in parameter copies,
+at the benchmark batch and at batch 1 (where activations are negligible: the parameter-sized overhead alone).
+Timings: median over repeats of CPU-time ratios measured back to back (steadier than wall time under load).
+Usage: python benchmarks/flatness_cost.py [--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 7].
 """
 
 from __future__ import annotations
@@ -47,17 +49,34 @@ def _batch(rng: np.random.Generator, B: int, one_per_row: bool) -> dict:
     return {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(targets), "weights": jnp.asarray(weights)}
 
 
-def _time(fn, *args, repeats: int) -> float:
+def _ratio(fn, args, ref, ref_args, repeats: int, per: int = 1) -> float:
+    """Median over repeats of cpu(fn) / cpu(ref), measured back to back (CPU seconds of this process, all threads:
+    steadier than wall time when other jobs share the machine)."""
     jax.block_until_ready(fn(*args))
-    best = float("inf")
+    jax.block_until_ready(ref(*ref_args))
+    ratios = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t0 = time.process_time()
+        jax.block_until_ready(ref(*ref_args))
+        t1 = time.process_time()
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+        t2 = time.process_time()
+        ratios.append((t2 - t1) / max(t1 - t0, 1e-9) / per)
+    return float(np.median(ratios))
+
+
+def _cpu(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.process_time()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.process_time() - t)
+    return float(np.median(ts))
 
 
 def _memory(fn, *args) -> int:
+    """XLA's temp + output buffer bytes of the compiled function."""
     m = jax.jit(fn).lower(*args).compile().memory_analysis()
     return int(m.temp_size_in_bytes + m.output_size_in_bytes) if m is not None else -1
 
@@ -77,33 +96,36 @@ def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
     grad = jax.jit(jax.grad(loss))
     hvp = jax.jit(lambda p, w, b: hs.hvp(lambda q: loss(q, b), p, w))
     rr = jax.jit(lambda p, w, b: jax.grad(lambda q: hs.group_dots(jax.grad(loss)(q, b), w, ids, max(ids) + 1).sum())(p))
-    hutch = lambda n, c: functools.partial(hs._hutchinson_stats, loss_fn=loss, num_probes=n, kind="rademacher",
-                                           chunk=c, leaf_ids=ids, shard=None)
+    hutch = lambda n, c, lin=True: functools.partial(hs._hutchinson_stats, loss_fn=loss, num_probes=n,
+                                                     kind="rademacher", chunk=c, leaf_ids=ids, shard=None,
+                                                     linearize=lin)
     summed = lambda n: functools.partial(fi._summed_stats, apply_fn=model.apply, num_draws=n, draw_chunk=1,
                                          leaf_ids=ids)
     per_sample = functools.partial(fi._per_sample_stats, apply_fn=model.apply, num_draws=1, draw_chunk=1,
-                                   leaf_ids=ids, labels="model", chunk=B)
+                                   leaf_ids=ids, labels="model", chunk=min(8, B))
     coef, coef_ctx = jnp.sqrt(batch["weights"]), jnp.sqrt(ctx["weights"])
 
-    t_grad = _time(grad, params, batch, repeats=repeats)
-    t_grad_ctx = _time(grad, params, ctx, repeats=repeats)
     n = 16
+    r = functools.partial(_ratio, ref=grad, ref_args=(params, batch), repeats=repeats)
     rows = {
-        "gradient (s)": t_grad,
-        "hvp fwd-over-rev": _time(hvp, params, v, batch, repeats=repeats) / t_grad,
-        "hvp rev-over-rev": _time(rr, params, v, batch, repeats=repeats) / t_grad,
-        "hutchinson / probe (chunk 1)": _time(jax.jit(hutch(n, 1)), params, batch, key, repeats=repeats) / n / t_grad,
-        "hutchinson / probe (chunk 4)": _time(jax.jit(hutch(n, 4)), params, batch, key, repeats=repeats) / n / t_grad,
-        "fisher summed, 1 draw": _time(jax.jit(summed(1)), params, batch["tokens"], coef, key, repeats=repeats)
-        / t_grad,
-        "fisher summed / draw (16)": _time(jax.jit(summed(n)), params, batch["tokens"], coef, key, repeats=repeats)
-        / n / t_grad,
-        "fisher per-sample, 1 draw": _time(jax.jit(per_sample), params, ctx["tokens"], coef_ctx, ctx["targets"], key,
-                                           repeats=repeats) / t_grad_ctx,
-        "memory: gradient (param copies)": _memory(jax.grad(loss), params, batch) / param_bytes,
-        "memory: hutchinson chunk 1": _memory(hutch(n, 1), params, batch, key) / param_bytes,
-        "memory: hutchinson chunk 4": _memory(hutch(n, 4), params, batch, key) / param_bytes,
+        "gradient (cpu s)": _cpu(grad, (params, batch), repeats),
+        "hvp fwd-over-rev": r(hvp, (params, v, batch)),
+        "hvp rev-over-rev": r(rr, (params, v, batch)),
+        "hutchinson / probe (linearized, chunk 1)": r(jax.jit(hutch(n, 1)), (params, batch, key), per=n),
+        "hutchinson / probe (linearized, chunk 4)": r(jax.jit(hutch(n, 4)), (params, batch, key), per=n),
+        "hutchinson / probe (jvp, chunk 1)": r(jax.jit(hutch(n, 1, False)), (params, batch, key), per=n),
+        "fisher summed, 1 draw": r(jax.jit(summed(1)), (params, batch["tokens"], coef, key)),
+        "fisher summed / draw (16 draws)": r(jax.jit(summed(n)), (params, batch["tokens"], coef, key), per=n),
+        "fisher per-sample, 1 draw": _ratio(jax.jit(per_sample), (params, ctx["tokens"], coef_ctx, ctx["targets"], key),
+                                            grad, (params, ctx), repeats),
     }
+    for b in (B, 1):
+        small = {k: x[:b] for k, x in batch.items()}
+        g = _memory(jax.grad(loss), params, small)
+        rows[f"memory gradient, batch {b} (param copies)"] = g / param_bytes
+        for lin in (True, False):
+            h = _memory(hutch(n, 1, lin), params, small, key)
+            rows[f"memory hutchinson - gradient, batch {b}, {'linearized' if lin else 'jvp'}"] = (h - g) / param_bytes
     rows["num_params"] = param_bytes // 4
     return rows
 

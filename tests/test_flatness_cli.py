@@ -66,9 +66,16 @@ def test_flatness_json_and_table(run, monkeypatch, capsys, tmp_path):
     res = json.loads(out)
     assert res["method"] == "fisher" and [r["step"] for r in res["results"]] == [100, 200]
     assert res["results"][0]["mean"] > 0 and res["results"][0]["num_batches"] == 2
-    table = _main(["flatness", "--workdir", w, "--method", "hutchinson", "--num-probes", "4", "--num-batches", "1",
-                   "--batch-size", "4", "--chunk-size", "4"], run, monkeypatch, capsys)
+    table = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
+                   "--num-batches", "2", "--batch-size", "4"], run, monkeypatch, capsys)
     assert table.splitlines()[0].split()[:3] == ["step", "method", "mean"] and "200" in table
+    gap = json.loads(_main(["flatness", "--workdir", w, "--gap", "--num-probes", "4", "--chunk-size", "4",
+                            "--num-draws", "4", "--fisher-form", "summed", "--num-batches", "2", "--batch-size", "4",
+                            "--json"], run, monkeypatch, capsys))  # gap_report through the CLI
+    rep = gap["results"][0]
+    assert gap["method"] == "gap" and rep["step"] == 200 and rep["loss"] > 0
+    assert {"hessian", "fisher", "empirical_fisher", "hessian_minus_fisher_z", "identity_within_3se"} <= set(rep)
+    assert rep["hessian"]["num_batches"] == 2 and rep["fisher"]["method"] == "fisher_summed"
     with pytest.raises(UserError, match="no checkpoint"):
         _main(["flatness", "--workdir", w, "--steps", "5"], run, monkeypatch, capsys)
 

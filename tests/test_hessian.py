@@ -226,6 +226,7 @@ MESH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~40 s of CPU: a fresh process with 8 simulated devices compiles everything twice
 def test_one_device_and_8_device_mesh_agree():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                JAX_DISABLE_MOST_OPTIMIZATIONS="1")

@@ -10,6 +10,7 @@ were drawn (data variance). `summarize` reports both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -175,6 +176,15 @@ def param_groups(params, groups: GroupFn | str | None = None) -> tuple[list[str]
             names.append(name)
         ids.append(names.index(name))
     return names, ids
+
+
+def hashable(fn):
+    """`fn` itself if hashable (a static jit argument, compiled once per fn), else a wrapper hashed by identity."""
+    try:
+        hash(fn)
+        return fn
+    except TypeError:
+        return functools.partial(fn)
 
 
 def acc_dtype(x) -> jnp.dtype:

@@ -28,7 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.flatness.estimates import GroupFn, TraceEstimate, acc_dtype, group_dots, param_groups, summarize
+from flatlm.flatness.estimates import (
+    GroupFn,
+    TraceEstimate,
+    acc_dtype,
+    group_dots,
+    hashable,
+    param_groups,
+    summarize,
+)
 
 ApplyFn = Callable[..., jax.Array]  # apply_fn({"params": params}, tokens, deterministic=True) -> logits[B, T, V]
 Batch = dict[str, Any]
@@ -144,7 +152,7 @@ def fisher_trace(
     num_draws: int = 50,
     method: str = "per_sample",
     labels: str = "model",
-    chunk_size: int | None = None,
+    chunk_size: int = 8,
     draw_chunk_size: int = 1,
     groups: GroupFn | str | None = None,
 ) -> TraceEstimate:
@@ -153,8 +161,9 @@ def fisher_trace(
     batches: MLM batches (weights mark the contexts' masked positions); `num_draws` labels per context are drawn
       from the model (paper: 10000 contexts x 50 draws). method: "per_sample" (per-(context, draw) gradients) or
       "summed" (one backward per draw for the whole batch). labels="true": empirical Fisher (per-sample only,
-      no draws). chunk_size: rows vmapped at once in the per-sample form (default all; memory ~ rows x params);
-      draw_chunk_size: draws vmapped at once (the rest scanned).
+      no draws). chunk_size: contexts vmapped at once in the per-sample form (memory ~ chunk_size parameter
+      copies for their per-example gradients; 8 is also about the fastest on CPU); draw_chunk_size: draws vmapped
+      at once (the rest scanned).
     Within a batch the samples are the draws (contexts for the empirical Fisher), so `probe_stderr` is the
     label-sampling error and `data_std` the spread across batches; see TraceEstimate.
     """
@@ -167,7 +176,8 @@ def fisher_trace(
                          "use method='per_sample' for the empirical Fisher")
     names, ids = param_groups(params, groups)
     S = 1 if labels == "true" else int(num_draws)
-    static = dict(apply_fn=apply_fn, num_draws=S, draw_chunk=max(1, min(draw_chunk_size, S)), leaf_ids=tuple(ids))
+    static = dict(apply_fn=hashable(apply_fn), num_draws=S, draw_chunk=max(1, min(draw_chunk_size, S)),
+                  leaf_ids=tuple(ids))
     samples = []
     for b, batch in enumerate(_batches(batches)):
         W = float(np.sum(np.asarray(batch["weights"], np.float64)))
@@ -182,7 +192,7 @@ def fisher_trace(
         coef = np.sqrt(ctx["weights"])
         B = ctx["tokens"].shape[0]
         sq_BSG = np.asarray(_per_sample_stats(params, ctx["tokens"], coef, ctx["targets"], kb, **static,
-                                              labels=labels, chunk=max(1, min(chunk_size or B, B))))
+                                              labels=labels, chunk=max(1, min(chunk_size, B))))
         if labels == "model":
             samples.append(sq_BSG.sum(axis=0) / W)  # one sample per draw
         else:
@@ -231,7 +241,7 @@ def _summed_stats(params, tokens_BT, coef_BT, key, *, apply_fn, num_draws, draw_
 
 
 def empirical_fisher_trace(
-    apply_fn: ApplyFn, params, batches, *, chunk_size: int | None = None, groups: GroupFn | str | None = None
+    apply_fn: ApplyFn, params, batches, *, chunk_size: int = 8, groups: GroupFn | str | None = None
 ) -> TraceEstimate:
     """(1/W) sum_i w_i ||grad CE_i||^2 with the true labels; samples are contexts (stderr over contexts)."""
     return fisher_trace(apply_fn, params, batches, jax.random.key(0), method="per_sample", labels="true",

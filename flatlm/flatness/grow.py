@@ -20,19 +20,23 @@ Exact (up to floating-point summation order) for pre-LN and post-LN.
 Depth +n layers.
 - Pre-LN: new blocks with zero output projections (attn.out, out_bias, mlp.wo, bo) add 0 to the residual stream:
   exact. Their other weights are zero (default) or freshly initialised (`key`).
-- Post-LN: the paper's recipe (new blocks with zero branches, everything else copied) is NOT exact. A zero-branch
-  post-LN block maps x to LN_2(LN_1(x)) with the previous block's output x = g * n + b (n centred, unit variance;
-  g, b the preceding LayerNorm's scale and bias). LN_2's output is g_2 * z + b_2 with z centred and unit-variance,
-  so equality for every n needs g_2 = g, b_2 = b and z = n, i.e. the centred LN_1(x) proportional to n, which holds
-  for all n only if g and b are constant across features (LN_1(x) = g_1 * (g * n + C b - mean(g * n)) / sigma + b_1,
-  and neither the data-dependent mean(g * n) / sigma nor C b, the centred b, is proportional to n). A trained
-  LayerNorm has non-constant g, b, and the residual branches cannot repair it exactly: they would have to compute
-  the per-token 1 / sigma(x), an algebraic function of the input that a GELU MLP only approximates.
-  flatlm's exact construction instead reparameterises: the preceding LayerNorm (the last small block's mlp_ln,
-  or embed_ln without layers) is reset to scale 1, bias 0, its (g, b) move to the last new block's mlp_ln, and all
-  other new LayerNorms are (1, 0). Every inserted LayerNorm then sees an already-normalised vector, and
-  LN(n) = n up to the epsilon: the relative error is about eps / (2 var) (1e-12 / var for BERT's eps = 1e-12,
-  far below float32 resolution), and zero with eps = 0.
+- Post-LN: the paper's recipe (new blocks with zero branches, every small-model tensor copied) is NOT exact, and
+  no choice of the new block's own parameters makes it exact for a trained model. The new block's input is the
+  output of the preceding LayerNorm, x = g * n + b with n centred and of unit variance (g, b that LayerNorm's scale
+  and bias). With zero branches the block computes LN_2(LN_1(x)), and LN_2's output is g_2 * z + b_2 with z
+  centred and of unit variance, so LN_2(LN_1(x)) = x for all n forces (g_2, b_2) = (g, b) and z = n up to sign,
+  i.e. the centred part of LN_1(x) = g_1 * (x - mean(x)) / std(x) + b_1 must be proportional to n for every n.
+  Take g = 1: x - mean(x) = n + c with c = b - mean(b), std(x) = sqrt(1 + |c|^2/d + 2 n.c/d) varies with n,
+  and g_1 * (n + c) / std(x) + b_1 (centred) is proportional to n for all n only if c = 0. So an exact zero-branch
+  block needs b (and likewise g) constant across features, which a trained LayerNorm is not. Non-zero branches
+  cannot repair this exactly either: they would have to compute the per-token 1 / std(x), an algebraic function
+  of the input that GELU MLPs and softmax attention only approximate (test_paper_recipe_is_not_exact_for_post_ln_depth
+  measures logit changes > 1e-2).
+  flatlm's exact construction therefore also reparameterises one existing tensor: the preceding LayerNorm (the
+  last small block's mlp_ln, or embed_ln without layers) is reset to scale 1, bias 0, its (g, b) move to the last
+  new block's mlp_ln, and all other new LayerNorms are (1, 0). Every inserted LayerNorm then receives an already
+  normalised vector, and LN(n) = n up to the epsilon: the relative error is about eps / (2 var) (1e-12 / var for
+  BERT's eps = 1e-12, far below float32 resolution), and zero with eps = 0.
 """
 
 from __future__ import annotations

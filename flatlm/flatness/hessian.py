@@ -23,7 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from flatlm.flatness.estimates import GroupFn, TraceEstimate, acc_dtype, group_dots, param_groups, summarize
+from flatlm.flatness.estimates import (
+    GroupFn,
+    TraceEstimate,
+    acc_dtype,
+    group_dots,
+    hashable,
+    param_groups,
+    summarize,
+)
 from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.flatness.hessian.fisher_trace)
     empirical_fisher_trace,
     exact_fisher_trace,
@@ -185,31 +193,37 @@ def hutchinson_trace(
     chunk_size: int = 1,
     groups: GroupFn | str | None = None,
     shardings: Any = None,
+    linearize: bool = True,
 ) -> TraceEstimate:
     """Hutchinson estimate of Tr(H), H the Hessian of the population loss, with Tr(H^2) and per-group traces.
 
     loss_fn: `loss_fn(params)` (batches=None) or `loss_fn(params, batch)` with `batches` an iterable of batches
       (streamed once); the population loss is the mean over batches, and every batch gets `num_probes` fresh probes.
     Samples are v.Hv (per group v_g.(Hv)_g, which sum to v.Hv) and ||Hv||^2 (E = Tr(H^2)), all from the same
-    products. Probes are processed `chunk_size` at a time (vmapped), the chunks scanned; the gradient's primal pass
-    is linearised once per batch. Memory: the parameters, their gradient, and 2 * chunk_size probe-sized copies,
-    plus activations. Units: those of the loss per unit parameter squared.
+    products. Probes are processed `chunk_size` at a time (vmapped), the chunks scanned. linearize=True runs the
+    gradient's primal pass once per batch and keeps its residuals (forward and backward intermediates), so each
+    probe costs only the tangent pass (~2 gradients instead of ~2.7); linearize=False recomputes it per chunk and
+    keeps only one chunk's activations. Parameter-sized buffers: the gradient, and probe and product per probe in
+    the chunk. Units: those of the loss per unit parameter squared.
     """
     if num_probes < 1:
         raise ValueError(f"num_probes must be >= 1, got {num_probes}")
     names, ids = param_groups(params, groups)
-    static = dict(loss_fn=loss_fn, num_probes=int(num_probes), kind=kind, chunk=max(1, min(chunk_size, num_probes)),
-                  leaf_ids=tuple(ids), shard=_shard_leaves(params, shardings))
+    static = dict(loss_fn=hashable(loss_fn), num_probes=int(num_probes), kind=kind,
+                  chunk=max(1, min(chunk_size, num_probes)), leaf_ids=tuple(ids),
+                  shard=_shard_leaves(params, shardings), linearize=bool(linearize))
     outs = [_hutchinson_stats(params, b, jax.random.fold_in(key, i), **static)
             for i, b in enumerate(_batch_list(batches))]
     z = [np.asarray(z) for z, _ in outs]
     return summarize(z, names, method=f"hutchinson_{kind}", sq_samples=[np.asarray(s) for _, s in outs])
 
 
-@functools.partial(jax.jit, static_argnames=("loss_fn", "num_probes", "kind", "chunk", "leaf_ids", "shard"))
-def _hutchinson_stats(params, batch, key, *, loss_fn, num_probes, kind, chunk, leaf_ids, shard):
+@functools.partial(
+    jax.jit, static_argnames=("loss_fn", "num_probes", "kind", "chunk", "leaf_ids", "shard", "linearize"))
+def _hutchinson_stats(params, batch, key, *, loss_fn, num_probes, kind, chunk, leaf_ids, shard, linearize=True):
     """(v.Hv per group [P, G], ||Hv||^2 [P]) for probes 0..P-1 of one batch (module-level: compiled once)."""
-    lin = hvp_fn(_as_loss(loss_fn, batch), params)
+    f = _as_loss(loss_fn, batch)
+    lin = hvp_fn(f, params) if linearize else functools.partial(hvp, f, params)
     G = max(leaf_ids) + 1
 
     def one(i):
