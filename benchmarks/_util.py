@@ -64,18 +64,17 @@ def interleave(cases: dict[str, Callable[[], object]], rounds: int,
                min_sample_s: float = 0.2) -> dict[str, np.ndarray]:
     """Time every case round-robin, `rounds` samples each: {name: float[rounds, 2]} of (wall, cpu) s per call.
 
-    Each case must block until its work is done. A sample repeats a fast case until it lasts about
-    `min_sample_s` (the repeat count is set once, from a first untimed-as-sample call), so that every case
-    sees the same stretch of machine load as its neighbours.
+    Each case must block until its work is done, and should be warm (compiled, called once). The first round
+    calls every case once; later rounds repeat a fast case until a sample lasts about `min_sample_s`, so that
+    every case sees the same stretch of machine load as its neighbours.
     """
-    reps = {}
-    for name, fn in cases.items():
-        wall, _ = time_once(fn)
-        reps[name] = max(1, min(50, int(np.ceil(min_sample_s / max(wall, 1e-6)))))
+    reps = dict.fromkeys(cases, 1)
     out = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
             out[name].append(time_once(fn, reps[name]))
+        for name in cases:
+            reps[name] = max(1, min(50, int(np.ceil(min_sample_s / max(out[name][0][0], 1e-6)))))
     return {name: np.asarray(v) for name, v in out.items()}
 
 

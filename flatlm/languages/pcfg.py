@@ -3,13 +3,14 @@
 A grammar has nonterminals 0..N-1 and words 0..V-1 (special ids pad, mask, cls come after the words):
 `root[A]` = P(a sentence is derived from A), `binary[A, B, C]` = P(A -> B C), `emit[A, w]` = P(A -> w).
 
-Inference runs the inside algorithm over a whole batch at once, width by width, in *scaled linear space*:
-every span keeps its inside vector divided by its maximum, plus that scale's log (both under
-`stop_gradient`), so float32 is exact to rounding and the grammar's many exact zeros stay exact zeros.
-The chart is linear in each position's leaf vector, so the gradient of the root value with respect to the
-leaf vectors gives P(x_-t, x_t = w) for every position t and word w at once (the outside pass is autodiff).
-Only the (span width, nonterminal) pairs the grammar can derive are computed, and only the (B, C) child pairs
-some rule uses, which makes layered grammars such as the released one cheap.
+Inference runs the inside algorithm for a whole batch at once, width by width, in *scaled linear space*:
+each span keeps its inside vector divided by its maximum, with the log of that scale beside it, so float32
+is exact to rounding and the grammar's many exact zeros stay exact zeros (log space would give NaN
+gradients there). The chart is linear in each position's leaf vector, so the derivative of the root value
+with respect to the leaf vectors -- the outside pass, written out as the mirror image of the inside pass --
+gives P(x_-t, x_t = w) / P(x) for every position t and word w at once. Only the nonterminals that can span
+a width, and only blocks of child pairs (B, C) that some rule uses, are computed: the released grammar's
+layers make that about 20x cheaper than a dense N^3 chart.
 
 The released rules format (Liu et al. 2023, `pcfg_rule_deep_mlm.txt`) is one rule per line,
 `LHS RHS1 [RHS2] PROB`; the first line's LHS is the start symbol, whose unary rules `S -> Sk` become `root`.
@@ -17,6 +18,7 @@ The released rules format (Liu et al. 2023, `pcfg_rule_deep_mlm.txt`) is one rul
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -172,6 +174,8 @@ class PCFG:
         word_order: dict[str, None] = {}
         for lineno, lhs, rhs, _ in entries:
             if len(rhs) == 2:
+                if fold and lhs == start:
+                    raise UserError(f"{path}:{lineno}: the start symbol {start!r} mixes unary rules with others")
                 for s in rhs:
                     if s not in lhs_set:
                         raise UserError(f"{path}:{lineno}: {s!r} has no rules of its own; a binary rule "
@@ -271,7 +275,8 @@ class PCFG:
         tokens, lengths = self._check(tokens, lengths)
         out = self._run("forward", tokens, lengths)
         with np.errstate(divide="ignore"):
-            return np.log(out["z"]) + out["log_scale"]
+            return (np.log(out["z"].astype(np.float64)) + out["log_scale"]
+                    + out["leaf_log_scale"].astype(np.float64).sum(1))
 
     def conditionals(self, tokens, lengths) -> np.ndarray:
         """float[n, T, V]: q[b, t, w] = P(x_t = w | x_-t) for t < lengths[b], 0 beyond.
@@ -289,7 +294,9 @@ class PCFG:
         tokens, lengths = self._check(tokens, lengths)
         out = self._run("forward", tokens, lengths)
         with np.errstate(divide="ignore"):
-            return (np.log(out["prefix"]) + out["prefix_log_scale"][..., None])[:, : tokens.shape[1]]
+            leaf_nxT = np.cumsum(out["leaf_log_scale"].astype(np.float64), 1)
+            log_nxTxN = np.log(out["prefix"].astype(np.float64)) + (out["prefix_log_scale"] + leaf_nxT)[..., None]
+            return log_nxTxN[:, : tokens.shape[1]]
 
     def span_posteriors(self, tokens, lengths) -> np.ndarray:
         """float[n, T, T+1, N]: P(A spans [i, j) | x) at [b, i, j, A], by inside-outside (NaN if P(x) = 0)."""
@@ -310,8 +317,8 @@ class PCFG:
         plan = self._plan(L)
         fn = self._fn("lengths", L)
         leaf_1xTxN = jnp.broadcast_to(plan.consts["leaf_total"], (1, L, plan.N))
-        z_1xT, log_scale_1xT = fn(plan.consts, leaf_1xTxN)
-        p = np.asarray(z_1xT[0], np.float64) * np.exp(np.asarray(log_scale_1xT[0], np.float64))
+        z_1xT, log_scale_1xT, leaf_log_1xT = (np.asarray(a[0], np.float64) for a in fn(plan.consts, leaf_1xTxN))
+        p = z_1xT * np.exp(log_scale_1xT + np.cumsum(leaf_log_1xT))
         return np.concatenate([[0.0], p])
 
     # ---- downstream tasks --------------------------------------------------------------------------------
@@ -438,7 +445,7 @@ class PCFG:
         else:
             sizes = [max(T_in, 1)] * len(chunks)
         T_max = max([T_in, *sizes])
-        results: dict[str, np.ndarray] = {}
+        calls = []
         for idx, T in zip(chunks, sizes):
             B = min(self.batch_size, _next_pow2(len(idx)))
             tok_BxT = np.full((B, T), self.vocab_size, np.int32)  # pad id = V
@@ -446,8 +453,11 @@ class PCFG:
             tok_BxT[: len(idx), :width] = tokens[idx, :width]
             len_B = np.zeros(B, np.int32)
             len_B[: len(idx)] = lengths[idx]
-            out = self._fn(kind, T)(self._plan(T).consts, tok_BxT, len_B)
-            for k, v in out.items():
+            calls.append((idx, self._fn(kind, T), (self._plan(T).consts, tok_BxT, len_B)))
+        _compile_all([(fn, args) for _, fn, args in calls])  # every chart size first, in parallel
+        results: dict[str, np.ndarray] = {}
+        for idx, fn, args in calls:
+            for k, v in fn(*args).items():
                 v = np.asarray(v)[: len(idx)]
                 axes = _TIME_AXES.get(k, ())
                 if k not in results:
@@ -457,28 +467,69 @@ class PCFG:
         return results
 
 
-_TIME_AXES = {"q": (1,), "prefix": (1,), "prefix_log_scale": (1,), "post": (1, 2)}  # axes sized by T
+_TIME_AXES = {"q": (1,), "prefix": (1,), "prefix_log_scale": (1,), "leaf_log_scale": (1,), "post": (1, 2)}
 
 
-# XLA:CPU's newer fusion emitters take about twice as long to compile these unrolled charts, for no speed.
-_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# The charts are unrolled over widths (hundreds of small fusions): XLA:CPU's newer fusion emitters and
+# LLVM -O3 each about double the compile time of these kernels, for no measurable speed.
+_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
 
 
 class _Compiled:
-    """jax.jit with `_COMPILER_OPTIONS`, falling back to plain jit if this XLA does not know them."""
+    """A kernel compiled ahead of time per argument shape, with `_COMPILER_OPTIONS` where XLA knows them.
+
+    `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
+    one call needs compile in parallel on a multi-core host.
+    """
 
     def __init__(self, fn):
-        self.fn = fn
-        self.jitted = jax.jit(fn, compiler_options=_COMPILER_OPTIONS)
+        self.jitted = jax.jit(fn)
+        self.executables: dict = {}
+        self.options = dict(_COMPILER_OPTIONS)
 
-    def __call__(self, *args):
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple((tuple(np.shape(a)), np.result_type(a).name) for a in jax.tree.leaves(args))
+
+    def _compile(self, args):
+        lowered = self.jitted.lower(*args)
         try:
-            return self.jitted(*args)
-        except jax.errors.JaxRuntimeError as e:
+            return lowered.compile(compiler_options=self.options)
+        except jax.errors.JaxRuntimeError as e:  # an XLA without these debug options
             if "compile option" not in str(e):
                 raise
-            self.jitted = jax.jit(self.fn)
-            return self.jitted(*args)
+            self.options = {}
+            return lowered.compile()
+
+    def prepare(self, arg_lists: list) -> None:
+        _compile_all([(self, args) for args in arg_lists])
+
+    def __call__(self, *args):
+        self.prepare([args])
+        return self.executables[self._key(args)](*args)
+
+
+def _compile_all(pairs: list) -> None:
+    """Compile the missing (kernel, arguments) shapes, in parallel threads when there are several."""
+    todo = {}
+    for fn, args in pairs:
+        key = (id(fn), fn._key(args))
+        if fn._key(args) not in fn.executables and key not in todo:
+            todo[key] = (fn, args)
+    jobs = list(todo.values())
+    x64 = bool(jax.config.x64_enabled)  # a thread-local setting: carry it into the workers
+
+    def compile_job(job):
+        with jax.enable_x64(x64):
+            return job[0]._compile(job[1])
+
+    if len(jobs) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+            exes = list(pool.map(compile_job, jobs))
+    else:
+        exes = [fn._compile(args) for fn, args in jobs]
+    for (fn, args), exe in zip(jobs, exes):
+        fn.executables[fn._key(args)] = exe
 
 
 def _check_task(task: str) -> None:
@@ -542,11 +593,10 @@ class _Sampler:
 
     def __init__(self, g: PCFG):
         N, V = g.num_nonterminals, g.vocab_size
-        lhs, left, right, word, prob = [], [], [], [], []
+        left, right, word, prob = [], [], [], []
         for A in range(N):
             B, C = np.nonzero(g.binary[A])
             w = np.flatnonzero(g.emit[A])
-            lhs += [A] * (B.size + w.size)
             left += list(B) + [-1] * w.size
             right += list(C) + [-1] * w.size
             word += [-1] * B.size + list(w)
@@ -554,7 +604,6 @@ class _Sampler:
             c = np.cumsum(p) / p.sum()
             c[-1] = 1.0
             prob += list(A + c)
-        self.lhs = np.asarray(lhs, np.int32)
         self.left = np.asarray(left, np.int32)
         self.right = np.asarray(right, np.int32)
         self.word = np.asarray(word, np.int32)
@@ -571,8 +620,8 @@ class _Sampler:
 
     def draw(self, rng, m: int, cap: int) -> dict[str, np.ndarray]:
         """m trees; sentences longer than `cap` are dropped (so fewer than m may come back)."""
-        pick = np.searchsorted(self.root_cum, rng.random(m), side="right").clip(max=self.root_cum.size - 1)
-        sym = self.root_support[pick]
+        pick = np.searchsorted(self.root_cum, rng.random(m), side="right")
+        sym = self.root_support[np.minimum(pick, self.root_cum.size - 1)]
         sent = np.arange(m, dtype=np.int64)
         alive = np.ones(m, bool)
         words_done = np.zeros(m, np.int64)
@@ -789,10 +838,11 @@ _NEG = -1e30  # log scale of widths no nonterminal can span: their split weight 
 class _Chart:
     """The scaled inside chart of a batch, plus the outside pass written by hand.
 
-    by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as beta' [N],
-    with inside = beta' * exp(log scale) (log_start / log_end [T, B, T]). Children of span [i, i+w) at
-    split d: left [i, i+d) = by_start[i, :, d-1], right [i+d, i+w) = by_end[i+w-1, :, w-d-1], so all
-    starts i and splits d0..d1 of one width are two rectangular slices [I, B, D, N], batch dims leading.
+    by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as [N + 1]:
+    beta' [N] and, last, the log scale: inside = beta' * exp(log scale + the span's leaf log scales).
+    Children of span [i, i+w) at split d: left [i, i+d) = by_start[i, :, d-1], right [i+d, i+w) =
+    by_end[i+w-1, :, w-d-1], so all starts i and splits d0..d1 of one width are two rectangular slices
+    [I, B, D, N + 1], batch dims leading.
     """
 
     def __init__(self, plan: _Plan, consts, leaf_TxBxN):
@@ -801,33 +851,39 @@ class _Chart:
         self.plan, self.consts, self.T, self.B, self.N = plan, consts, T, B, N
         beta_TxBxN, s_TxB = _normalise(leaf_TxBxN)
         self.scale = {1: s_TxB}  # per width: the normaliser [I, B] of each span
+        # Leaves start at log scale 0 and their own scales are kept apart (inside = beta' * exp(chart log
+        # scale + sum of the span's leaf log scales)): the chart's log scales then stay small, so float32
+        # resolves the split weights exp(lsum - top) to ~1e-7 even in long sentences.
+        self.leaf_log_TxB = jnp.log(s_TxB)
+        leaf_TxBx1xN1 = jnp.concatenate([beta_TxBxN, jnp.zeros((T, B, 1), dtype)], -1)[:, :, None]
+        empty = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), jnp.full((T, B, T - 1, 1), _NEG, dtype)], -1)
         # Two different expressions, so that XLA does not merge them and then copy to update both in place.
-        self.by_start = jnp.concatenate([beta_TxBxN[:, :, None], jnp.zeros((T, B, T - 1, N), dtype)], 2)
-        self.by_end = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), beta_TxBxN[:, :, None]], 2)[:, :, ::-1]
-        log_TxBx1 = jnp.log(s_TxB)[..., None]
-        self.log_start = jnp.concatenate([log_TxBx1, jnp.full((T, B, T - 1), _NEG, dtype)], 2)
-        self.log_end = jnp.concatenate([jnp.full((T, B, T - 1), _NEG, dtype), log_TxBx1], 2)[:, :, ::-1]
+        self.by_start = jnp.concatenate([leaf_TxBx1xN1, empty], 2)
+        self.by_end = jnp.concatenate([empty, leaf_TxBx1xN1], 2)[:, :, ::-1]
         for w in range(2, T + 1):
             self._width(w)
 
     def children(self, w: int, spec: _Width):
-        """left, right [I, B, D, N] (beta') for splits d0..d1, and split weights f [I, B, D]."""
+        """left * f, right [I, B, D, N] (beta') for splits d0..d1, split weights f [I, B, D], and their max
+        log scale top [I, B]. (The outside pass reads them again from the final chart: keeping the forward
+        slices alive would make XLA copy the whole chart at every later in-place update.)"""
         I, D, B, N = self.T - w + 1, spec.d1 - spec.d0 + 1, self.B, self.N
-        left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N))
-        right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N)), (2,))
-        lsum_IxBxD = (_read(self.log_start, (0, 0, spec.d0 - 1), (I, B, D))
-                      + jax.lax.rev(_read(self.log_end, (w - 1, 0, w - spec.d1 - 1), (I, B, D)), (2,)))
+        left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N + 1))
+        right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N + 1)), (2,))
+        lsum_IxBxD = left[..., N] + right[..., N]
         top_IxB = lsum_IxBxD.max(-1)
-        return left, right, jnp.exp(lsum_IxBxD - top_IxB[..., None]), top_IxB
+        f_IxBxD = jnp.exp(lsum_IxBxD - top_IxB[..., None])
+        # Materialise the two operands contiguously: the outer products below read each many times.
+        left, right = jax.lax.optimization_barrier((left[..., :N] * f_IxBxD[..., None], right[..., :N]))
+        return left, right, f_IxBxD, top_IxB
 
     def _width(self, w: int) -> None:
         spec = self.plan.widths.get(w)
         if spec is None:  # no nonterminal spans w words: the zeros (and _NEG log scales) stay
             self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
             return
-        I, B = self.T - w + 1, self.B
-        left, right, f_IxBxD, top_IxB = self.children(w, spec)
-        left = left * f_IxBxD[..., None]
+        I, B, N = self.T - w + 1, self.B, self.N
+        left, right, _, top_IxB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:
             outer_IxBxLxR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
@@ -835,25 +891,24 @@ class _Chart:
                                             for d in range(k.d0, k.d1 + 1)])
             pairs.append(outer_IxBxLxR.reshape(I * B, -1))
         pairs_IBxP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
-        new_IxBxN = _dot(pairs_IBxP, self.consts["G"][w]).reshape(I, B, self.N)
+        new_IxBxN = _dot(pairs_IBxP, self.consts["G"][w]).reshape(I, B, N)
         beta_IxBxN, s_IxB = _normalise(new_IxBxN)
         self.scale[w] = s_IxB
-        log_IxB = top_IxB + jnp.log(s_IxB)
-        self.by_start = jax.lax.dynamic_update_slice(self.by_start, beta_IxBxN[:, :, None], (0, 0, w - 1, 0))
-        self.by_end = jax.lax.dynamic_update_slice(self.by_end, beta_IxBxN[:, :, None], (w - 1, 0, w - 1, 0))
-        self.log_start = jax.lax.dynamic_update_slice(self.log_start, log_IxB[..., None], (0, 0, w - 1))
-        self.log_end = jax.lax.dynamic_update_slice(self.log_end, log_IxB[..., None], (w - 1, 0, w - 1))
+        new_IxBx1xN1 = jnp.concatenate([beta_IxBxN, (top_IxB + jnp.log(s_IxB))[..., None]], -1)[:, :, None]
+        self.by_start = jax.lax.dynamic_update_slice(self.by_start, new_IxBx1xN1, (0, 0, w - 1, 0))
+        self.by_end = jax.lax.dynamic_update_slice(self.by_end, new_IxBx1xN1, (w - 1, 0, w - 1, 0))
 
     def prefixes(self):
         """beta' [B, T, N] and log scale [B, T] of the prefix spans [0, k), k = 1..T."""
-        return self.by_start[0], self.log_start[0]
+        return self.by_start[0, :, :, : self.N], self.by_start[0, :, :, self.N]
 
     def width(self, w: int):
         """beta' [I, B, N] of all spans of width w."""
-        return self.by_start[: self.T - w + 1, :, w - 1]
+        return self.by_start[: self.T - w + 1, :, w - 1, : self.N]
 
     def root_value(self, lengths_B):
-        """z [B] (scaled) and log scale [B] with P(x) = z exp(scale), and sel [B, T] one-hot of length-1."""
+        """z [B] (scaled) and log scale [B] with P(x) = z exp(scale + sum of leaf log scales), and the
+        one-hot sel [B, T] of length - 1."""
         prefix_BxTxN, log_BxT = self.prefixes()
         sel_BxT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BxTxN.dtype)
         z_BxT = _dot(prefix_BxTxN, self.consts["root"])
@@ -879,12 +934,8 @@ class _Chart:
             spec = self.plan.widths.get(w)
             if spec is None:
                 continue
-            D = spec.d1 - spec.d0 + 1
             h_IxBxP = _dot(adj_IxBxN / self.scale[w][..., None], self.consts["G"][w].T)
             left, right, f_IxBxD, _ = self.children(w, spec)
-            left = left * f_IxBxD[..., None]
-            g_left = jnp.zeros((I, B, D, N), dtype)
-            g_right = jnp.zeros((I, B, D, N + 1), dtype)[..., 1:]
             p = 0
             for k in spec.blocks:
                 L, R, a, b = k.l1 - k.l0, k.r1 - k.r0, k.d0 - spec.d0, k.d1 - spec.d0 + 1
@@ -900,10 +951,8 @@ class _Chart:
                     gr = _tree(jnp.add, [h_IxBxLxR[:, :, None, l] * lk[..., l, None] for l in range(L)])
                 else:
                     gr = jnp.einsum("ibdl,iblr->ibdr", lk, h_IxBxLxR, precision=jax.lax.Precision.HIGHEST)
-                g_left = _add(g_left, (0, 0, a, k.l0), gl)
-                g_right = _add(g_right, (0, 0, a, k.r0), gr)
-            adj_start = _add(adj_start, (0, 0, spec.d0 - 1, 0), g_left * f_IxBxD[..., None])
-            adj_end = _add(adj_end, (w - 1, 0, w - spec.d1 - 1, 0), jax.lax.rev(g_right, (2,)))
+                adj_start = _add(adj_start, (0, 0, spec.d0 - 1 + a, k.l0), gl * f_IxBxD[:, :, a:b, None])
+                adj_end = _add(adj_end, (w - 1, 0, w - spec.d0 - b, k.r0), jax.lax.rev(gr, (2,)))
         raise AssertionError("unreachable")
 
 
@@ -915,13 +964,15 @@ def _kernel_forward(plan: _Plan, consts, tokens_BxT, lengths_B):
     chart = _Chart(plan, consts, _leaves(consts, tokens_BxT))
     z_B, log_B, _ = chart.root_value(lengths_B)
     prefix_BxTxN, prefix_log_BxT = chart.prefixes()
-    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BxTxN, "prefix_log_scale": prefix_log_BxT}
+    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BxTxN, "prefix_log_scale": prefix_log_BxT,
+            "leaf_log_scale": chart.leaf_log_TxB.T}
 
 
 def _kernel_conditionals(plan: _Plan, consts, tokens_BxT, lengths_B):
     chart = _Chart(plan, consts, _leaves(consts, tokens_BxT))
     _, _, sel_BxT = chart.root_value(lengths_B)
-    # The chart is linear in each leaf: (d z / d leaf[t]) . emit[:, w] = P(x_-t, x_t = w) exp(-scale).
+    # The chart is linear in each leaf: (d z / d leaf[t]) . emit[:, w] = P(x_-t, x_t = w) * (a per-sentence
+    # constant, the inverse of all the chart's scales), which the normalisation over w removes.
     g_TxBxN = chart.outside(sel_BxT)
     T = tokens_BxT.shape[1]
     joint_BxTxV = _dot(jnp.swapaxes(g_TxBxN, 0, 1), consts["emit"])
@@ -948,7 +999,7 @@ def _kernel_posteriors(plan: _Plan, consts, tokens_BxT, lengths_B):
 def _kernel_lengths(plan: _Plan, consts, leaf_BxTxN):
     chart = _Chart(plan, consts, jnp.swapaxes(leaf_BxTxN, 0, 1))
     prefix_BxTxN, log_BxT = chart.prefixes()
-    return prefix_BxTxN @ consts["root"], log_BxT
+    return prefix_BxTxN @ consts["root"], log_BxT, chart.leaf_log_TxB.T
 
 
 _KERNELS = {
@@ -964,24 +1015,25 @@ _KERNELS = {
 
 def random_grammar(seed: int, *, num_roots: int = 9, levels: int = 4, symbols_per_level: int = 10,
                    num_words: int = 200, rules_per_symbol: int = 20, leaf_rules: int = 100,
-                   emit_prob: tuple[float, float] = (0.04, 0.32), max_length: int | None = None,
-                   **kwargs) -> PCFG:
+                   middle_words: int = 1, emit_prob: tuple[float, float] = (0.04, 0.32),
+                   max_length: int | None = None, **kwargs) -> PCFG:
     """A fresh grammar of the released shape (defaults match `pcfg_rule_deep_mlm.txt`'s statistics).
 
     Root children S1..S{num_roots} (root probabilities: uniform weights, normalised), each with one rule
     Sk -> A1_i A1_j (distinct pairs); `levels` layers of `symbols_per_level` symbols A{l}_i. A symbol of a
-    non-final layer emits one word of its own (distinct words) with probability ~ U(emit_prob) and
-    otherwise branches into `rules_per_symbol` pairs drawn with replacement from the next layer (uniform
-    weights, duplicates summed); a final-layer symbol emits `leaf_rules` words drawn with replacement
-    (uniform weights), and every word is given to some final symbol. Defaults: 49 nonterminals (50 with the
-    start symbol S of the rules file), 200 words, depth 6, sentences of 2..16 words (mean ~10.7).
+    non-final layer emits `middle_words` words of its own (distinct words, uniform weights) with total
+    probability ~ U(emit_prob) and otherwise branches into `rules_per_symbol` pairs drawn with replacement
+    from the next layer (uniform weights, duplicates summed); a final-layer symbol emits `leaf_rules` words
+    drawn with replacement (uniform weights), and every word is given to some final symbol. Defaults: 49
+    nonterminals (50 with the start symbol S of the rules file), 200 words, depth 6, sentences of 2..16
+    words (mean ~10.7; the released file's is 10.66).
     `kwargs` go to `PCFG` (max_length, batch_size, bucket_lengths).
     """
     rng = np.random.default_rng(seed)
     K, L, M, V = num_roots, levels, symbols_per_level, num_words
-    if min(K, L, M, V, rules_per_symbol, leaf_rules) < 1 or K > M * M or (L - 1) * M > V:
+    if min(K, L, M, V, rules_per_symbol, leaf_rules, middle_words) < 1 or K > M * M or (L - 1) * M * middle_words > V:
         raise ValueError("random_grammar needs positive sizes, num_roots <= symbols_per_level**2 and "
-                         "(levels - 1) * symbols_per_level <= num_words")
+                         "(levels - 1) * symbols_per_level * middle_words <= num_words")
     N = K + L * M
     names = [f"S{k + 1}" for k in range(K)] + [f"A{l + 1}_{i}" for l in range(L) for i in range(M)]
     level = lambda l: K + l * M + np.arange(M)  # noqa: E731
@@ -993,12 +1045,13 @@ def random_grammar(seed: int, *, num_roots: int = 9, levels: int = 4, symbols_pe
     first = level(0)
     for k, p in enumerate(rng.choice(M * M, size=K, replace=False)):
         binary[k, first[p // M], first[p % M]] = 1.0
-    own_words = rng.choice(V, size=(L - 1) * M, replace=False)
+    own_words = rng.choice(V, size=((L - 1) * M, middle_words), replace=False)
     for l in range(L - 1):
         nxt = level(l + 1)
         for i, A in enumerate(level(l)):
             e = rng.uniform(*emit_prob)
-            emit[A, own_words[l * M + i]] = e
+            u = rng.uniform(size=middle_words) if middle_words > 1 else np.ones(1)
+            emit[A, own_words[l * M + i]] = e * u / u.sum()
             B = rng.integers(M, size=rules_per_symbol)
             C = rng.integers(M, size=rules_per_symbol)
             wts = rng.uniform(size=rules_per_symbol)
