@@ -32,8 +32,10 @@ def get_config(arg: str = "tiny"):
         c.eval.tasks = (f"k{preset['length'] // 2}",)
         c.eval.update(task_train_size=preset["train"] // 4, task_eval_size=preset["eval"])
         c.eval.probe.update(epochs=10, num_seeds=2 if arg == "tiny" else 3)
-        c.eval.finetune.update(epochs=1 if arg == "tiny" else 2, num_seeds=2 if arg == "tiny" else 3,
+        c.eval.finetune.update(epochs=10 if arg == "tiny" else 2, num_seeds=2 if arg == "tiny" else 3,
                                warmup_steps=20)
+        if arg == "tiny":  # a few hundred sentences: 10 epochs at 1e-3 so that fine-tuning moves at all
+            c.eval.finetune.lr = 1e-3
     if arg == "paper":
         c.train.warmup_frac = 0.06
         c.eval.batch_size = 512

@@ -15,7 +15,7 @@ def get_config(arg: str = "tiny"):
     p = presets(
         {
             "tiny": dict(train=4_000, eval=128, batch=64, d=64, layers=1, steps=60, lr=3e-3, every=30,
-                         task_train=1_000, task_eval=200, probe_epochs=10, ft_epochs=1, seeds=2),
+                         task_train=1_000, task_eval=200, probe_epochs=10, ft_epochs=10, seeds=2),
             "demo": dict(train=20_000, eval=256, batch=128, d=128, layers=2, steps=1200, lr=2e-3, every=200,
                          task_train=4_000, task_eval=1_000, probe_epochs=20, ft_epochs=2, seeds=3),
             "paper": dict(train=4_000_000, eval=10_000, batch=4096, d=768, layers=12, steps=30_000, lr=1e-3,
@@ -33,4 +33,6 @@ def get_config(arg: str = "tiny"):
     c.eval.finetune.update(epochs=p["ft_epochs"], num_seeds=p["seeds"])
     if arg != "paper":
         c.eval.finetune.warmup_steps = 20
+    if arg == "tiny":  # a thousand sentences: 10 epochs at 1e-3 so that fine-tuning moves at all
+        c.eval.finetune.lr = 1e-3
     return c

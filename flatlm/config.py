@@ -35,8 +35,12 @@ def base_config() -> ml_collections.ConfigDict:
             seed=0,
             # HMM
             num_states=100, vocab_size=200, length=16, num_blocks=10,
-            # PCFG: rules_file ("" -> random_grammar(seed) of the released shape)
+            # PCFG: rules_file ("" -> random_grammar(seed, **grammar), by default of the released file's shape);
+            # max_length caps sentences (0 -> the grammar's longest; longer samples are rejected).
             rules_file="",
+            max_length=0,
+            grammar=ml_collections.ConfigDict(dict(
+                num_roots=9, levels=4, symbols_per_level=10, num_words=200, rules_per_symbol=20, leaf_rules=100)),
         )
     )
     c.data = ml_collections.ConfigDict(
@@ -75,10 +79,13 @@ def base_config() -> ml_collections.ConfigDict:
             log_every=50,
             eval_every=250,
             # The adversarial meta-objective (paper A.4): L_mlm - lam * loss of a ridge head fitted on D1,
-            # evaluated on D2. lam = 0: plain MLM. task "" -> the language's first downstream task.
+            # evaluated on D2 (flatlm.train.adversarial.AdversarialConfig documents every field). lam = 0: plain
+            # MLM (monitor=True still logs the head's D2 loss/accuracy). task "" -> the language's first task.
+            # start_step: plain MLM up to this step, the adversarial objective after it (warm start).
             adversarial=ml_collections.ConfigDict(dict(
-                lam=0.0, ridge=1.0, d1_size=256, d2_size=256, loss="squared", projection_dim=0,
-                normalize="global", task="", pool_size=0)),
+                lam=0.0, ridge=1.0, d1_size=256, d2_size=256, loss="squared", ce_scale=1.0, cap_at_chance=True,
+                projection_dim=0, projection_seed=0, normalize="global", task="", pool_size=0, monitor=False,
+                start_step=0)),
         )
     )
     c.eval = ml_collections.ConfigDict(
@@ -218,8 +225,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     adv = config.train.adversarial
     if adv.lam < 0:
         raise UserError(f"config.train.adversarial.lam must be >= 0, got {adv.lam}")
-    if adv.lam > 0 and config.language.name not in ("hmm", "pcfg"):
+    if (adv.lam > 0 or adv.monitor) and config.language.name not in ("hmm", "pcfg"):
         raise UserError("the adversarial objective needs a language with downstream tasks (hmm or pcfg)")
+    if adv.lam > 0 or adv.monitor:
+        from flatlm.train.adversarial import LOSSES, NORMALIZATIONS
+
+        _choice(adv.loss, LOSSES, "train.adversarial.loss")
+        _choice(adv.normalize, NORMALIZATIONS, "train.adversarial.normalize")
+        if not adv.ridge > 0:
+            raise UserError(f"config.train.adversarial.ridge must be positive, got {adv.ridge}")
+        for name in ("d1_size", "d2_size"):
+            if adv[name] < 1:
+                raise UserError(f"config.train.adversarial.{name} must be positive, got {adv[name]}")
+        if adv.pool_size and adv.pool_size < adv.d1_size + adv.d2_size:
+            raise UserError(f"config.train.adversarial.pool_size={adv.pool_size} is smaller than d1_size + d2_size; "
+                            "raise it or set it to 0 (fresh sentences every step)")
+        if not 0 <= adv.start_step < config.train.steps:
+            raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")
     if not 0 < config.data.mask_prob <= 1:
         raise UserError(f"config.data.mask_prob must be in (0, 1], got {config.data.mask_prob}")
     if config.model.shape:
@@ -243,6 +265,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                 f"config.data.batch_size={config.data.batch_size} is not divisible by the data axis ({data}); "
                 f"use a multiple of {data}"
             )
+        adv = config.train.adversarial
+        for name in ("d1_size", "d2_size"):
+            if (adv.lam > 0 or adv.monitor) and adv[name] % data:
+                raise UserError(f"config.train.adversarial.{name}={adv[name]} is not divisible by the data axis "
+                                f"({data}); use a multiple of {data}")
 
 
 def _bert_dims(config) -> tuple[int, int]:

@@ -4,6 +4,7 @@ lam = 0 against plain AdamW, the downstream batches, and a tiny adversarial run 
 from __future__ import annotations
 
 import functools
+import json
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPO
 
 from flatlm.data.masking import mask_batch
 from flatlm.evaluate.exact_loss import exact_loss
@@ -47,33 +49,44 @@ def test_closed_form_head_equals_numpy_ridge(n, f):
     x1, x2 = rng.normal(size=(n, f)) * 3.0 + 1.0, rng.normal(size=(7, f)) * 3.0 + 1.0
     y = rng.normal(size=(n, 3))
     labels = rng.integers(0, 4, n)
+    predict = lambda x1, lab, x2, normalize: adv.closed_form_predict(x1, lab, x2, num_classes=4, ridge=0.3,
+                                                                     normalize=normalize)
+
+    @jax.jit
+    def heads(x1, y, x2, labels):
+        w = adv.ridge_head(x1, y, 0.7)
+        return w, adv.ridge_predict(x1, y, x2, 0.7), {m: predict(x1, labels, x2, m) for m in adv.NORMALIZATIONS}
+
     with jax.enable_x64(True):
-        w = np.asarray(adv.ridge_head(jnp.asarray(x1), jnp.asarray(y), 0.7))
-        np.testing.assert_allclose(w, _np_ridge(x1, y, 0.7), rtol=1e-10, atol=1e-12)
-        pred = np.asarray(adv.ridge_predict(jnp.asarray(x1), jnp.asarray(y), jnp.asarray(x2), 0.7))
-        np.testing.assert_allclose(pred, x2 @ _np_ridge(x1, y, 0.7), rtol=1e-10, atol=1e-12)
-        for normalize in adv.NORMALIZATIONS:
-            got = adv.closed_form_predict(jnp.asarray(x1), jnp.asarray(labels), jnp.asarray(x2), num_classes=4,
-                                          ridge=0.3, normalize=normalize)
-            want = _np_predict(x1, labels, x2, 4, 0.3, normalize)
-            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-9, atol=1e-11, err_msg=normalize)
+        w, pred, by_mode = jax.device_get(heads(x1, y, x2, labels))
+    np.testing.assert_allclose(w, _np_ridge(x1, y, 0.7), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(pred, x2 @ _np_ridge(x1, y, 0.7), rtol=1e-10, atol=1e-12)
+    for normalize, got in by_mode.items():
+        want = _np_predict(x1, labels, x2, 4, 0.3, normalize)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11, err_msg=normalize)
     # float32 (the training dtype) stays close to the float64 answer
-    w32 = adv.ridge_head(jnp.asarray(x1, jnp.float32), jnp.asarray(y, jnp.float32), 0.7)
+    w32 = heads(*(np.asarray(a, np.float32) for a in (x1, y, x2)), labels)[0]
+    assert w32.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(w32), _np_ridge(x1, y, 0.7), rtol=2e-3, atol=2e-4)
 
 
 def test_head_loss_values():
-    pred = jnp.asarray([[0.9, 0.1, 0.0], [0.2, 0.3, 0.5]])
-    labels = jnp.asarray([0, 1])
-    sq, acc = adv.head_loss(pred, labels, "squared")
-    assert np.isclose(float(sq), ((0.01 + 0.01) + (0.04 + 0.49 + 0.25)) / 2)
-    assert float(acc) == 0.5
+    pred = np.asarray([[0.9, 0.1, 0.0], [0.2, 0.3, 0.5]], np.float32)
+    labels = np.asarray([0, 1])
+
+    @jax.jit
+    def losses(pred, labels):
+        return (adv.head_loss(pred, labels, "squared"),
+                adv.head_loss(pred, labels, "squared", chance_C=jnp.asarray([0.5, 0.5, 0.0])),
+                adv.head_loss(pred, labels, "ce", ce_scale=2.0))
+
+    (sq, acc), (capped, _), (ce, _) = jax.device_get(losses(pred, labels))
+    assert np.isclose(sq, ((0.01 + 0.01) + (0.04 + 0.49 + 0.25)) / 2)
+    assert acc == 0.5
     # capped at the chance head (label frequencies [0.5, 0.5, 0]): row 0 is better than chance, row 1 worse
-    capped, _ = adv.head_loss(pred, labels, "squared", chance_C=jnp.asarray([0.5, 0.5, 0.0]))
-    assert np.isclose(float(capped), (0.02 + 0.5) / 2)
-    ce, _ = adv.head_loss(pred, labels, "ce", ce_scale=2.0)
-    want = -np.mean([jax.nn.log_softmax(2 * pred[0])[0], jax.nn.log_softmax(2 * pred[1])[1]])
-    assert np.isclose(float(ce), float(want), rtol=1e-6)
+    assert np.isclose(capped, (0.02 + 0.5) / 2)
+    logp = pred * 2 - np.log(np.exp(pred * 2).sum(1, keepdims=True))
+    assert np.isclose(ce, -(logp[0, 0] + logp[1, 1]) / 2, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ meta-gradient
@@ -97,18 +110,20 @@ def _random_down_batch(rng, d1, d2, num_classes):
 
 
 def _unit_direction(tree, seed):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    v = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
-    return jax.tree.map(lambda a: a / optax.global_norm(v), v)
+    """A random direction of unit norm shaped like `tree` (numpy: eager jax.random would compile per shape)."""
+    rng = np.random.default_rng(seed)
+    v = [rng.normal(size=np.shape(x)) for x in jax.tree.leaves(tree)]
+    norm = np.sqrt(sum(np.sum(a**2) for a in v))
+    return jax.tree.unflatten(jax.tree.structure(tree), [jnp.asarray(a / norm, jnp.result_type(x))
+                                                          for a, x in zip(v, jax.tree.leaves(tree))])
 
 
 def _directional(fn, x, v, eps):
-    """(<grad fn(x), v> by reverse mode, the central difference along v, |grad|)."""
+    """(<grad fn(x), v> by reverse mode, the central difference along v, |grad|, grad); jit it."""
     grad = jax.grad(fn)(x)
     analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(v)))
     shift = lambda s: jax.tree.map(lambda a, d: a + s * eps * d, x, v)
-    return analytic, (fn(shift(1.0)) - fn(shift(-1.0))) / (2 * eps), optax.global_norm(grad)
+    return analytic, (fn(shift(1.0)) - fn(shift(-1.0))) / (2 * eps), optax.global_norm(grad), grad
 
 
 # (d1, loss, normalize, projection_dim) on F = 32 features (or 16 projected); d1 < F is the kernel form.
@@ -131,9 +146,10 @@ def test_meta_gradient_through_the_solve_matches_finite_differences(d1, loss, no
             pred = adv.closed_form_predict(x[:d1], labels1, x[d1:], num_classes=3, ridge=0.05, normalize=normalize)
             return adv.head_loss(pred, labels2, loss, ce_scale=3.0)[0]
 
-        analytic, numeric, gnorm = (float(a) for a in jax.jit(_directional, static_argnums=(0, 3))(
-            d2_loss, x_KF, _unit_direction(x_KF, d1), 1e-5))
-        reaches_d1 = float(jnp.abs(jax.grad(d2_loss)(x_KF)[:d1]).max())
+        analytic, numeric, gnorm, grad_KF = jax.jit(_directional, static_argnums=(0, 3))(
+            d2_loss, x_KF, _unit_direction(x_KF, d1), 1e-5)
+        analytic, numeric, gnorm = float(analytic), float(numeric), float(gnorm)
+        reaches_d1 = float(np.abs(np.asarray(grad_KF)[:d1]).max())
     assert reaches_d1 > 1e-4  # the gradient reaches D1 through the solve
     assert abs(analytic - numeric) <= 1e-7 * gnorm, (analytic, numeric)
 
@@ -164,24 +180,26 @@ def test_meta_gradient_wrt_model_params_matches_finite_differences(d1, loss, nor
             fn = lambda p: adv.downstream_terms(cfg, ff, p, batch)[0]
         else:
             fn = lambda p: objective(p, batch, model.apply, None)[0]
-            loss, aux = objective(params, batch, model.apply, None)
+            loss, aux = jax.jit(lambda p: objective(p, batch, model.apply, None))(params)
             np.testing.assert_allclose(float(loss), float(aux["train/mlm_loss"] - 0.5 * aux["train/adv_d2_loss"]),
                                        rtol=1e-12)
-        # the direction is drawn outside the jit: threefry per leaf inside it triples the compile time
-        analytic, numeric, gnorm = (float(a) for a in jax.jit(_directional, static_argnums=(0, 3))(
-            fn, params, _unit_direction(params, d1), 1e-3))
+        analytic, numeric, gnorm, _ = jax.jit(_directional, static_argnums=(0, 3))(
+            fn, params, _unit_direction(params, d1), 1e-3)
+        analytic, numeric, gnorm = float(analytic), float(numeric), float(gnorm)
     assert gnorm > 1e-2  # not trivially zero
     assert abs(analytic - numeric) <= 1e-3 * abs(numeric) + 1e-6 * gnorm, (analytic, numeric)
 
 
 def test_projection_is_the_probes_matrix():
-    model, params = _tiny_bert()
-    tokens = np.random.default_rng(0).integers(0, V, (5, T)).astype(np.int32)
-    ff = model_feature_fn(model)
-    got = jax.jit(lambda p: adv.probe_features(ff, p, tokens, projection_dim=16, projection_seed=3))(params)
-    assert got.shape == (5, 16)
-    want = adv.probe_features(ff, params, tokens) @ gaussian_projection(T * 8, 16, 3)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    """probe_features flattens [B, T, D] to [B, T * D] and projects with the probe's Gaussian matrix."""
+    table = np.random.default_rng(0).normal(size=(V, 8)).astype(np.float32)
+    embed = lambda params, tokens: params[tokens]  # a stand-in encoder: hidden [B, T, 8]
+    tokens = np.random.default_rng(1).integers(0, V, (5, T)).astype(np.int32)
+    raw, got = jax.jit(lambda p: (adv.probe_features(embed, p, tokens),
+                                  adv.probe_features(embed, p, tokens, projection_dim=16, projection_seed=3)))(table)
+    np.testing.assert_array_equal(np.asarray(raw), table[tokens].reshape(5, T * 8))
+    want = table[tokens].reshape(5, T * 8).astype(np.float64) @ np.asarray(gaussian_projection(T * 8, 16, 3))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ lam = 0
@@ -283,18 +301,34 @@ def test_config_validation():
         adv.task_position("A")
 
 
+@pytest.mark.parametrize("override,match", [
+    ("loss=hinge", "train.adversarial.loss"), ("normalize=pca", "train.adversarial.normalize"),
+    ("ridge=0.0", "ridge must be positive"), ("d1_size=0", "d1_size must be positive"),
+    ("pool_size=10", "pool_size=10 is smaller"), ("start_step=60", "start_step=60 must be in"),
+    ("d2_size=7", "d2_size=7 is not divisible by the data axis"),
+])
+def test_config_errors_name_the_field_and_the_fix(override, match):
+    from flatlm.config import apply_overrides, load_config, validate
+    from flatlm.errors import UserError
+
+    c = apply_overrides(load_config(str(REPO / "configs" / "hmm_mlm.py") + ":tiny"),
+                        ["--config.train.adversarial.lam=1.0", f"--config.train.adversarial.{override}"])
+    with pytest.raises(UserError, match=match):
+        validate(c, num_devices=2)
+
+
 # ------------------------------------------------------------------------------------------ the adversary works
 
 
-def _effect_run(d_model: int, warm: int, steps: int, lam: float, seed: int = 0):
+def _effect_run(d_model: int, warm: int, steps: int, lam: float, ridge: float, seed: int = 0):
     """Plain MLM for `warm` steps, then `steps` more of plain MLM and, from the same state and on the same MLM
-    batches, `steps` of the adversarial objective (task k4, D1/D2 of 64). Returns the language, the model and
-    {"plain": params, "adversarial": params}."""
+    batches, `steps` of the adversarial objective (task k4, D1/D2 of 64, capped squared loss). Returns the
+    language, the model and {"plain": params, "adversarial": params}."""
     lang = _tiny_hmm()
     k, n_down, batch = 4, 64, 64
     model, params = _tiny_bert(d_model=d_model, words=lang.vocab_size, length=lang.max_length)
     opt = optax.adamw(3e-3, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01)
-    cfg = adv.AdversarialConfig(lam=lam, ridge=1.0, d1_size=n_down, d2_size=n_down, task=f"k{k}",
+    cfg = adv.AdversarialConfig(lam=lam, ridge=ridge, d1_size=n_down, d2_size=n_down, task=f"k{k}",
                                 num_classes=lang.num_states, seed=seed)
     jit_step = lambda objective: jax.jit(functools.partial(
         train_step, apply_fn=model.apply, optimizer=opt, seed=seed, objective=objective, dropout=False))
@@ -322,8 +356,8 @@ def _effect_run(d_model: int, warm: int, steps: int, lam: float, seed: int = 0):
 
 
 def _d2_style_accuracy(lang, model, params_by_name, k=4, n=64, pairs=32, seed=12345):
-    """Mean accuracy of the closed-form head (as in training: ridge 1.0, global normalisation) fitted on
-    held-out D1 batches and scored on held-out D2 batches (a seed no training batch uses)."""
+    """Mean accuracy of a closed-form head (ridge 1.0, global normalisation) fitted on held-out D1-sized batches
+    and scored on held-out D2-sized batches (a seed that no training batch uses)."""
     it = adv.downstream_batches(lang, k, n, n, seed=seed)
     held = [next(it) for _ in range(pairs)]
     stack = {key: jnp.asarray(np.stack([h[key] for h in held])) for key in adv.DOWN_KEYS}
@@ -348,15 +382,153 @@ def _exact(lang, model, params_by_name, n=256):
     return {name: exact_loss(model, p, batches, num_subsets=2) for name, p in params_by_name.items()}
 
 
-@pytest.mark.slow  # fails in this snapshot (being retuned); see the closing note
 def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretraining_loss():
-    """Tiny HMM (8 states, 16 words, length 8), Bert d_model 16: 300 plain steps, then 1000 steps plain vs
-    adversarial (lam 10, capped squared loss). The closed-form head's accuracy on held-out D1/D2-style batches
-    drops by at least 0.08 (seen: 0.36 -> 0.21) while the exact pre-training loss stays within 0.03 nats
-    (1.5%) of the plain run's (seen: +0.015)."""
-    lang, model, params = _effect_run(d_model=16, warm=300, steps=1000, lam=10.0)
+    """Tiny HMM (8 states, 16 words, length 8), Bert d_model 16, task k4: 300 plain steps, then 600 steps plain
+    vs adversarial (lam 10, ridge 3, capped squared loss). Asserted: the accuracy of a closed-form head on
+    held-out D1/D2-style batches drops by >= 0.08 (seen 0.36 -> 0.19), and the exact pre-training loss stays
+    within 0.03 nats (1.5%) of the plain run's (seen +0.009).
+
+    The drop is a transition: the encoder learns to swamp the label-bearing directions of its features with
+    label-free variance, which the ridge head (and the AdamW probe, see the slow test) then cannot use. When it
+    happens depends on the seed: seeds 0 and 1 get there within 400 steps, seed 2 after ~1400, seed 3 not within
+    600 (before it, the drop is ~0.02 at an unchanged loss); this test pins seed 0, the slow test runs seed 2.
+    """
+    lang, model, params = _effect_run(d_model=16, warm=300, steps=600, lam=10.0, ridge=3.0, seed=0)
     acc = _d2_style_accuracy(lang, model, params)
     loss = _exact(lang, model, params)
-    assert acc["adversarial"] <= acc["plain"] - 0.08, acc
+    assert acc["adversarial"] <= acc["plain"] - 0.08, (acc, loss)
     assert abs(loss["adversarial"]["loss"] - loss["plain"]["loss"]) <= 0.03, (loss, acc)
-    assert loss["plain"]["kl"] < 0.05  # the plain run is close to the optimum: the comparison is meaningful
+    assert loss["plain"]["kl"] < 0.05  # the plain run is near the optimum, so "same loss" means something
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,steps,probe_drop", [(0, 600, 0.08), (2, 1500, None)], ids=["seed0", "seed2"])
+def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, probe_drop):
+    """The fast test's run scored by `flatlm.evaluate.probe` too (AdamW softmax probe on standardised features,
+    2000 held-out training sentences, 2000 test sentences; seen 0.41 -> 0.27), and a late-transition seed run
+    for 1500 steps (closed-form head seen 0.37 -> 0.19 at an unchanged loss). Right after its transition the
+    standardised AdamW probe is not fooled yet (seen 0.41 -> 0.41), so for seed 2 only the closed-form head's
+    drop is asserted."""
+    from flatlm.evaluate import probe
+
+    lang, model, params = _effect_run(d_model=16, warm=300, steps=steps, lam=10.0, ridge=3.0, seed=seed)
+    loss = _exact(lang, model, params)
+    acc = _d2_style_accuracy(lang, model, params)
+    assert acc["adversarial"] <= acc["plain"] - 0.08, (acc, loss)
+    assert abs(loss["adversarial"]["loss"] - loss["plain"]["loss"]) <= 0.03, (loss, acc)
+    if probe_drop is None:
+        return
+    train, test = lang.sample(2000, seed=777), lang.sample(2000, seed=778)
+    labels = {"train": train.latents["states"][:, 4], "test": test.latents["states"][:, 4]}
+    ff = model_feature_fn(model)
+    probe_acc = {}
+    for name, p in params.items():
+        feats = {split: probe.extract_features(ff, p, c.tokens, progress=False)
+                 for split, c in (("train", train), ("test", test))}
+        out = probe.run_probe(feats, labels, probe.ProbeConfig(epochs=30, num_seeds=2), num_classes=8,
+                              progress=False)
+        probe_acc[name] = out["accuracy"]["test"]["mean"]
+    assert probe_acc["adversarial"] <= probe_acc["plain"] - probe_drop, (probe_acc, loss)
+
+
+@pytest.mark.slow  # a fresh interpreter with 2 simulated devices: ~45 s of CPU, most of it import and compile
+def test_adversarial_step_under_data_parallel_sharding():
+    """Two simulated CPU devices: the jitted adversarial train step with the batch (MLM and D1/D2) sharded over
+    the data axis gives the parameters and metrics of the unsharded step."""
+    from conftest import run_python
+
+    run_python("""
+        import functools
+        import numpy as np, jax, jax.numpy as jnp, optax, flax.linen as nn
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from flatlm.data.masking import mask_batch
+        from flatlm.evaluate.probe import model_feature_fn
+        from flatlm.models import Bert, BertConfig
+        from flatlm.train import adversarial as adv
+        from flatlm.train.step import train_step
+        assert jax.device_count() == 2
+        model = Bert(BertConfig(num_words=6, max_len=5, d_model=8, num_layers=1, num_heads=2, dropout=0.0,
+                                attention_dropout=0.0))
+        params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((2, 4), jnp.int32))["params"])
+        opt = optax.sgd(0.1)  # params differ by lr * grad differences (Adam's first step would amplify noise)
+        cfg = adv.AdversarialConfig(lam=1.0, d1_size=8, d2_size=8, num_classes=3)
+        step = functools.partial(train_step, apply_fn=model.apply, optimizer=opt, seed=0,
+                                 objective=adv.make_objective(cfg, model_feature_fn(model)), dropout=False)
+        rng = np.random.default_rng(0)
+        batch = mask_batch(rng.integers(0, 6, (8, 4)), np.full(8, 4), 6, rng)
+        batch.update(down1_tokens=rng.integers(0, 6, (8, 4)).astype(np.int32),
+                     down1_labels=rng.integers(0, 3, 8).astype(np.int32),
+                     down2_tokens=rng.integers(0, 6, (8, 4)).astype(np.int32),
+                     down2_labels=rng.integers(0, 3, 8).astype(np.int32))
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
+        ref, ref_m = jax.jit(step)(state, batch)
+        mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1), ("data", "model"))
+        rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        sharded = jax.device_put(batch, data)
+        assert len(sharded["down1_tokens"].addressable_shards) == 2
+        out, m = jax.jit(step, in_shardings=(rep, data), out_shardings=(rep, rep))(state, sharded)
+        diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), ref["params"],
+                                                out["params"])))
+        assert diff < 1e-6, diff
+        assert abs(float(m["train/adv_d2_loss"]) - float(ref_m["train/adv_d2_loss"])) < 1e-5
+        print("ok", diff)
+    """, devices=2)
+
+
+# ------------------------------------------------------------------------------------------ through the loop
+
+
+def _loop_config(tmp_path, *overrides):
+    from flatlm.config import apply_overrides, load_config
+
+    c = load_config(str(REPO / "configs" / "hmm_mlm.py") + ":tiny")
+    return apply_overrides(c, ["--config.train.steps=20", "--config.train.eval_every=10", "--config.train.log_every=5",
+                               "--config.checkpoint.every=5", "--config.checkpoint.keep=10",
+                               f"--config.data.data_dir={tmp_path / 'data'}", *overrides])
+
+
+def _final_params(workdir, step=20):
+    from flatlm.config import load_workdir_config
+    from flatlm.train.loop import build_run
+
+    return build_run(load_workdir_config(str(workdir)), str(workdir), quiet=True).load_params(step)
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a),
+                                                                                      jax.tree.leaves(b)))
+
+
+def test_training_loop_warm_start_monitor_and_resume(tmp_path):
+    """`flatlm train` with train.adversarial from the config: lam = 0 with monitor gives the plain run's parameters
+    (1e-7) and logs the head's D2 metrics; lam > 0 with start_step 10 equals the plain run up to step 10, differs
+    after it, logs D2 metrics only after it, and a run resumed from a checkpoint in the warm phase (step 5) or in
+    the adversarial phase (step 15) ends with exactly the parameters of the uninterrupted run."""
+    import shutil
+
+    from flatlm.train.loop import train_and_evaluate
+
+    adv_overrides = ["--config.train.adversarial.lam=1.0", "--config.train.adversarial.d1_size=16",
+                     "--config.train.adversarial.d2_size=16", "--config.train.adversarial.start_step=10"]
+    runs = {"plain": [], "monitor": ["--config.train.adversarial.monitor=True", "--config.train.adversarial.d1_size=16",
+                                     "--config.train.adversarial.d2_size=16"], "adversarial": adv_overrides}
+    for name, overrides in runs.items():
+        train_and_evaluate(_loop_config(tmp_path, *overrides), str(tmp_path / name), progress=False)
+    final = {name: _final_params(tmp_path / name) for name in runs}
+    assert _max_diff(final["plain"], final["monitor"]) <= 1e-7
+    assert _max_diff(_final_params(tmp_path / "plain", 10), _final_params(tmp_path / "adversarial", 10)) == 0.0
+    assert _max_diff(final["plain"], final["adversarial"]) > 1e-4
+
+    def logged(name):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"] for r in rows if "train/adv_d2_loss" in r}
+
+    assert logged("monitor") == {5, 10, 15, 20} and logged("adversarial") == {15, 20} and not logged("plain")
+    for resume_from in (5, 15):
+        resumed = tmp_path / f"resumed{resume_from}"
+        shutil.copytree(tmp_path / "adversarial", resumed)
+        for ckpt_dir in (resumed / "checkpoints").iterdir():
+            if ckpt_dir.name.isdigit() and int(ckpt_dir.name) > resume_from:
+                shutil.rmtree(ckpt_dir)
+        train_and_evaluate(_loop_config(tmp_path, *adv_overrides), str(resumed), progress=False)
+        assert _max_diff(final["adversarial"], _final_params(resumed)) == 0.0, resume_from

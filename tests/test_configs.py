@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import REPO
 
@@ -49,3 +50,24 @@ def test_sgd_protocol_is_warmup_12_percent_then_constant():
     warm = round(0.12 * c.train.steps)
     assert float(lr(0)) == 0.0 and float(lr(warm // 2)) == pytest.approx(c.train.lr / 2, rel=0.05)
     assert float(lr(warm)) == pytest.approx(c.train.lr) and float(lr(c.train.steps)) == pytest.approx(c.train.lr)
+
+
+def test_pcfg_grammar_and_max_length_come_from_the_config():
+    """language.grammar / language.max_length reach random_grammar (a smaller grammar, capped sentences), and a
+    grammar that cannot be built is a one-line UserError."""
+    from flatlm.config import apply_overrides, load_config
+    from flatlm.errors import UserError
+    from flatlm.languages import make_language
+    from flatlm.languages.pcfg import random_grammar
+
+    c = apply_overrides(load_config(str(REPO / "configs" / "pcfg_mlm.py") + ":tiny"),
+                        ["--config.language.grammar.levels=3", "--config.language.grammar.num_words=50",
+                         "--config.language.max_length=12", "--config.language.seed=3"])
+    g = make_language(c.language.to_dict())
+    want = random_grammar(3, levels=3, num_words=50, max_length=12)
+    assert (g.vocab_size, g.max_length, g.num_nonterminals) == (50, 12, 39)
+    np.testing.assert_array_equal(g.binary, want.binary)
+    assert g.sample(64, seed=0).lengths.max() <= 12
+    c.language.grammar.num_words = 5
+    with pytest.raises(UserError, match="language.grammar"):
+        make_language(c.language.to_dict())

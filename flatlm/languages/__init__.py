@@ -24,11 +24,15 @@ def make_language(spec):
     if name == "pcfg":
         from flatlm.languages import pcfg
 
+        max_length = int(spec.get("max_length") or 0) or None
         if spec.get("rules_file"):
             if not __import__("os").path.isfile(spec["rules_file"]):
                 raise UserError(f"language.rules_file {spec['rules_file']!r} not found; give a path to a rules file")
-            return pcfg.PCFG.from_rules_file(spec["rules_file"])
-        return pcfg.random_grammar(spec["seed"])
+            return pcfg.PCFG.from_rules_file(spec["rules_file"], max_length=max_length)
+        try:
+            return pcfg.random_grammar(spec["seed"], max_length=max_length, **dict(spec.get("grammar") or {}))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"language.grammar / language.max_length: {e}") from None
     if name == "opt":
         from flatlm.languages import opt
 

@@ -174,7 +174,7 @@ class Attention(nn.Module):
         qkv_BTKHd = qkv_NJ.reshape(B, T, 3, H, Dh)
         q_BTHd, k_BTHd, v_BTHd = qkv_BTKHd[:, :, 0], qkv_BTKHd[:, :, 1], qkv_BTKHd[:, :, 2]
         s_BHTS = jnp.einsum("bthe,bshe->bhts", q_BTHd, k_BTHd) / math.sqrt(Dh) + bias_BHTT
-        p_BHTS = jax.nn.softmax(s_BHTS.astype(jnp.float32), axis=-1).astype(dt)
+        p_BHTS = jax.nn.softmax(s_BHTS.astype(jnp.promote_types(s_BHTS.dtype, jnp.float32)), axis=-1).astype(dt)
         p_BHTS = Dropout(c.attention_dropout)(p_BHTS, deterministic=deterministic)
         o_BTHd = jnp.einsum("bhts,bshe->bthe", p_BHTS, v_BTHd)
         y_ND = _dense(o_BTHd.reshape(B, T, H * Dh), out.reshape(H * Dh, D), dt) + out_b.astype(dt)

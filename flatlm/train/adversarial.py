@@ -13,7 +13,10 @@ the features of D1 as well as those of D2 (Liu et al. 2020-style meta-learning).
 two forms: primal (H1^T H1 + rho I)^-1 H1^T Y1 when |D1| >= F, kernel H1^T (H1 H1^T + rho I)^-1 Y1 when |D1| < F
 (rho = ridge * |D1|), where D2's predictions need only the cross-Gram H2 H1^T. By default features are first
 centred by D1's mean and divided by D1's RMS (differentiated too; see `AdversarialConfig.normalize`) and the
-head gets an unpenalised intercept; with normalize="none" it is the plain formula above.
+head gets an unpenalised intercept; with normalize="none" it is the plain formula above. Each D2 row's loss is
+capped at the loss of the chance head (D1's label frequencies; `cap_at_chance`): maximising the uncapped loss
+has no bound, and in practice it rewards blowing up a few features, which wrecks the MLM loss instead of
+removing the label information.
 
 `make_objective(cfg, feature_fn)` returns an objective for `flatlm.train.step.train_step`; its batch is the MLM
 batch plus `down1_tokens int32[d1, T]`, `down1_labels int32[d1]`, `down2_tokens int32[d2, T]`,
@@ -212,7 +215,7 @@ def probe_features(feature_fn: FeatureFn, params, tokens_BT, projection_dim: int
     x_BF = x_BF.astype(jnp.promote_types(x_BF.dtype, jnp.float32))  # bf16 activations -> f32; f64 stays
     if not projection_dim:
         return x_BF
-    from flatlm.evaluate.probe import gaussian_projection
+    from flatlm.evaluate.probe import gaussian_projection  # the probe's own matrix; imported only when used
 
     with jax.ensure_compile_time_eval():  # a constant of the compiled step, drawn once at trace time
         proj_FP = gaussian_projection(x_BF.shape[1], projection_dim, projection_seed)

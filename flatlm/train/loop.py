@@ -174,10 +174,15 @@ def jit_train_step(run: Run, objective=mlm_objective):
 
 
 def adversarial_setup(run: Run, start: int):
-    """(objective, iterator of D1/D2 batches) for `train.adversarial.lam > 0`, else (None, None)."""
+    """(objective, iterator of D1/D2 batches) for `train.adversarial` with lam > 0 or monitor, else (None, None).
+
+    The iterator yields the D1/D2 batch of step s + 1 as its s-th item, from s = max(start, start_step): steps up
+    to `start_step` are plain MLM steps without downstream batches (warm start); a resumed run continues the
+    same sequence.
+    """
     c = run.config
     a = c.train.adversarial
-    if a.lam <= 0:
+    if a.lam <= 0 and not a.monitor:
         return None, None
     from flatlm.data import tasks as tasks_lib
     from flatlm.evaluate.probe import model_feature_fn
@@ -187,11 +192,12 @@ def adversarial_setup(run: Run, start: int):
     task = a.task or task_names(c, run.language)[0]
     tasks_lib.check_task(run.language, c.language.name, task)
     cfg = adv.AdversarialConfig(
-        lam=a.lam, ridge=a.ridge, d1_size=a.d1_size, d2_size=a.d2_size, loss=a.loss, projection_dim=a.projection_dim,
+        lam=a.lam, ridge=a.ridge, d1_size=a.d1_size, d2_size=a.d2_size, loss=a.loss, ce_scale=a.ce_scale,
+        cap_at_chance=a.cap_at_chance, projection_dim=a.projection_dim, projection_seed=a.projection_seed,
         normalize=a.normalize, task=task, num_classes=tasks_lib.num_classes(run.language, c.language.name, task),
         label_definition=c.eval.task_definition or tasks_lib.default_definition(c.language.name),
-        pool_size=a.pool_size, seed=c.seed)
-    kw = dict(start=start, process_index=jax.process_index(), process_count=jax.process_count())
+        pool_size=a.pool_size, seed=c.seed, monitor=a.monitor)
+    kw = dict(start=max(start, a.start_step), process_index=jax.process_index(), process_count=jax.process_count())
     if c.language.name == "hmm":
         batches = adv.downstream_batches(run.language, int(task[1:]), a.d1_size, a.d2_size, c.seed,
                                          definition=cfg.label_definition, pool_size=a.pool_size, **kw)
@@ -291,6 +297,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
         state = init_state(run)
     adv_objective, down_batches = adversarial_setup(run, start)
     step_fn = jit_train_step(run, objective or adv_objective or mlm_objective)
+    warm_until = c.train.adversarial.start_step if down_batches is not None else 0
+    plain_step_fn = jit_train_step(run, mlm_objective) if start < warm_until else None
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
     kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
@@ -321,9 +329,11 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
 
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
-            local = next(it) if down_batches is None else {**next(it), **next(down_batches)}
-            batch = sharding.global_batch(local, run.mesh)
-            state, metrics = step_fn(state, batch)
+            if step <= warm_until:  # warm start: plain MLM before the adversarial objective
+                state, metrics = plain_step_fn(state, sharding.global_batch(next(it), run.mesh))
+            else:
+                local = next(it) if down_batches is None else {**next(it), **next(down_batches)}
+                state, metrics = step_fn(state, sharding.global_batch(local, run.mesh))
             if pending is not None:
                 flush(pending)
             pending = (step, metrics)
