@@ -25,7 +25,13 @@ from flatlm.errors import UserError
 
 
 def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evaluate: bool = True,
-                      flatness: dict | None = None, description: str = "") -> ml_collections.ConfigDict:
+                      flatness: dict | None = None, description: str = "",
+                      seeds: tuple[int, ...] = ()) -> ml_collections.ConfigDict:
+    """An experiment: `runs` are (name, overrides of `base`). With `seeds`, every run is repeated once per
+    pre-training seed (`--config.seed=k`: initialisation, corpus sample, data order and D1/D2 batches) as
+    `<name>-seed<k>`; `flatlm report` then also tabulates mean ± std over those seeds."""
+    if seeds:
+        runs = [(f"{n}-seed{s}", [*o, f"--config.seed={s}"]) for n, o in runs for s in seeds]
     c = ml_collections.ConfigDict()
     c.name = name
     c.description = description

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,14 +215,57 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
             ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
             rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
                          *(["-"] * len(tasks)), "-"])
-    md.append("## Table (last checkpoint of each run; mean ± std over seeds)\n")
+    md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]
+    seed_rows = seed_table(runs, tasks)
+    if seed_rows:
+        head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
+               [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+        md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
+        md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        md += ["| " + " | ".join(row) + " |" for row in seed_rows]
     path = out_dir / "report.md"
     tmp = out_dir / ".report.md.tmp"
     tmp.write_text("\n".join(md) + "\n")
     os.replace(tmp, path)
     return path
+
+
+SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
+
+
+def _last_value(entries: dict, key: str) -> float | None:
+    return float(entries[max(entries)][key]) if entries else None
+
+
+def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
+    """Rows of mean ± std over pre-training seeds for runs named `<name>-seed<k>` (groups of >= 2 runs): the
+    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and Tr(H)."""
+    groups: dict[str, list[RunData]] = {}
+    for r in runs:
+        m = SEED_SUFFIX.match(r.name)
+        if m:
+            groups.setdefault(m.group(1), []).append(r)
+
+    def cell(values, fmt) -> str:
+        v = np.asarray([x for x in values if x is not None], np.float64)
+        return "-" if v.size == 0 else f"{fmt(v.mean())} ± {fmt(v.std(ddof=1) if v.size > 1 else 0.0)}"
+
+    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
+    rows = []
+    for name, members in groups.items():
+        if len(members) < 2:
+            continue
+        ex = [r.by_kind("exact_loss") for r in members]
+        row = [name, str(len(members)), cell([_last_value(e, "loss") for e in ex], lambda x: f"{x:.4f}"),
+               cell([_last_value(e, "kl") for e in ex], lambda x: f"{x:.2e}")]
+        row += [cell([_last_value(r.probe(t), "accuracy") for r in members], pct) for t in tasks]
+        row += [cell([_last_value({e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t},
+                                  "accuracy") for r in members], pct) for t in tasks]
+        row.append(cell([_last_value(r.by_kind("flatness"), "trace") for r in members], lambda x: f"{x:.4g}"))
+        rows.append(row)
+    return rows
 
 
 def _save(fig, path: Path) -> None:

@@ -532,3 +532,27 @@ def test_training_loop_warm_start_monitor_and_resume(tmp_path):
                 shutil.rmtree(ckpt_dir)
         train_and_evaluate(_loop_config(tmp_path, *adv_overrides), str(resumed), progress=False)
         assert _max_diff(final["adversarial"], _final_params(resumed)) == 0.0, resume_from
+
+
+def test_training_loop_on_the_pcfg_draws_d1_d2_from_the_task_split(tmp_path):
+    """PCFG (a small grammar from the config): D1/D2 come from task A's training split (built on the fly), the
+    adversarial steps after start_step log the head's D2 metrics and change the parameters."""
+    from flatlm.config import apply_overrides, load_config
+    from flatlm.train.loop import train_and_evaluate
+
+    c = apply_overrides(load_config(str(REPO / "configs" / "pcfg_mlm.py") + ":tiny"), [
+        "--config.language.grammar.levels=3", "--config.language.grammar.num_words=50",
+        "--config.language.max_length=12", "--config.data.train_size=256", "--config.data.eval_size=32",
+        "--config.data.batch_size=16", "--config.model.d_model=32", "--config.train.steps=6",
+        "--config.train.eval_every=6", "--config.train.log_every=1", "--config.checkpoint.every=3",
+        "--config.eval.task_train_size=64", "--config.eval.task_eval_size=16", "--config.eval.tasks=('A',)",
+        f"--config.data.data_dir={tmp_path / 'data'}", "--config.train.adversarial.d1_size=16",
+        "--config.train.adversarial.d2_size=16", "--config.train.adversarial.start_step=3"])
+    for name, lam in (("plain", 0.0), ("adversarial", 1.0)):
+        c.train.adversarial.lam = lam
+        train_and_evaluate(c, str(tmp_path / name), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "adversarial" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r for r in rows if "train/adv_d2_acc" in r}
+    assert sorted(logged) == [4, 5, 6] and all(0 <= r["train/adv_d2_acc"] <= 1 for r in logged.values())
+    assert _max_diff(_final_params(tmp_path / "plain", 3), _final_params(tmp_path / "adversarial", 3)) == 0.0
+    assert _max_diff(_final_params(tmp_path / "plain", 6), _final_params(tmp_path / "adversarial", 6)) > 1e-5

@@ -73,3 +73,34 @@ def test_experiment_resumes_after_sigkill_without_redoing_finished_runs(tmp_path
     report = json.loads(rep.stdout)
     text = (wd / "report" / "report.md").read_text()
     assert "| a |" in text and "| b |" in text and any(p.endswith("loss_vs_steps.png") for p in report["plots"])
+
+
+def test_seeds_expand_runs_and_the_report_averages_over_them(tmp_path):
+    """experiment_config(seeds=...) makes one run per pre-training seed; seed_table's cells are numpy's mean and
+    sample std over those runs' last checkpoints (runs without a -seed<k> twin get no row)."""
+    from flatlm.config import base_config
+    from flatlm.experiment import experiment_config
+    from flatlm.report import RunData, seed_table
+
+    exp = experiment_config("t", base_config(), [("adamw", []), ("adv", ["--config.train.adversarial.lam=1.0"])],
+                            seeds=(0, 3))
+    assert [(r["name"], r["overrides"]) for r in exp.runs] == [
+        ("adamw-seed0", ["--config.seed=0"]), ("adamw-seed3", ["--config.seed=3"]),
+        ("adv-seed0", ["--config.train.adversarial.lam=1.0", "--config.seed=0"]),
+        ("adv-seed3", ["--config.train.adversarial.lam=1.0", "--config.seed=3"])]
+    rng = np.random.default_rng(0)
+    vals = rng.uniform(size=(3, 4))  # runs x (loss, kl, probe accuracy at the last step, trace)
+
+    def run(name, v):
+        results = [{"kind": "exact_loss", "step": 5, "loss": 9.0, "kl": 9.0},  # an earlier step: ignored
+                   {"kind": "exact_loss", "step": 10, "loss": v[0], "kl": v[1]},
+                   {"kind": "probe", "step": 10, "task": "A", "accuracy": v[2], "accuracy_std": 0.1},
+                   {"kind": "flatness", "step": 10, "trace": v[3]}]
+        return RunData(name=name, path=tmp_path, config={}, evals=[], results=results)
+
+    runs = [run("adv-seed0", vals[0]), run("adv-seed1", vals[1]), run("adv-seed2", vals[2]), run("single", vals[0])]
+    (row,) = seed_table(runs, ["A"])
+    m, s = vals.mean(0), vals.std(0, ddof=1)
+    assert row[:2] == ["adv", "3"]
+    assert row[2] == f"{m[0]:.4f} ± {s[0]:.4f}" and row[3] == f"{m[1]:.2e} ± {s[1]:.2e}"
+    assert row[4] == f"{100 * m[2]:.1f} ± {100 * s[2]:.1f}" and row[5] == "-" and row[6] == f"{m[3]:.4g} ± {s[3]:.4g}"

@@ -195,7 +195,8 @@ def adversarial_setup(run: Run, start: int):
         lam=a.lam, ridge=a.ridge, d1_size=a.d1_size, d2_size=a.d2_size, loss=a.loss, ce_scale=a.ce_scale,
         cap_at_chance=a.cap_at_chance, projection_dim=a.projection_dim, projection_seed=a.projection_seed,
         normalize=a.normalize, task=task, num_classes=tasks_lib.num_classes(run.language, c.language.name, task),
-        label_definition=c.eval.task_definition or tasks_lib.default_definition(c.language.name),
+        # HMM D1/D2 are sampled here with this label definition; PCFG ones come labelled from the task's split
+        label_definition=(c.eval.task_definition or "sampled") if c.language.name == "hmm" else "sampled",
         pool_size=a.pool_size, seed=c.seed, monitor=a.monitor)
     kw = dict(start=max(start, a.start_step), process_index=jax.process_index(), process_count=jax.process_count())
     if c.language.name == "hmm":
