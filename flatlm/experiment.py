@@ -116,6 +116,8 @@ def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
         if progress:
             print(f"[{i + 1}/{len(exp.runs)}] {exp.name}/{run['name']}", file=sys.stderr)
         config = run_config(exp, run)
+        if not config.data.data_dir:  # one copy of each corpus / task split for all runs (keyed by content hash)
+            config.data.data_dir = str(root.resolve() / "data")
         t0 = time.time()
         train_and_evaluate(config, str(run_dir), progress=progress)
         if exp.evaluate:

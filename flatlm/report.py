@@ -48,6 +48,9 @@ def find_runs(dirs: list[str]) -> list[RunData]:
     for d in dirs:
         p = Path(d)
         candidates = [p] if (p / "config.json").exists() else sorted(x.parent for x in p.glob("runs/*/config.json"))
+        if (p / "experiment.json").exists():  # the experiment's own run order
+            order = [r["name"] for r in json.loads((p / "experiment.json").read_text()).get("runs", [])]
+            candidates.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
         if not candidates:
             raise UserError(f"{d} holds no flatlm run (no config.json, no runs/*/config.json)")
         for c in candidates:

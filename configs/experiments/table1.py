@@ -12,12 +12,12 @@ def get_config(arg: str = "tiny", default_language: str = "pcfg"):
     base = base_run_config(preset, language)
     if preset == "tiny":
         # Every run trains 300 plain steps (identical across runs), then 600 more: plain AdamW, or the adversarial
-        # objective (start_step=300). At this scale lam = 3 with ridge 3 moves the features
-        # within 600 steps while the exact loss stays within ~0.03 nats (tests/test_adversarial.py).
+        # objective (start_step=300). Measured (seed 0, probe of task k4 / A): HMM lam 3: loss +0.015 nats,
+        # probe 38% -> 18%; PCFG (not converged at this scale, KL 0.39) lam 1: loss +0.024 nats, probe 33% -> 23%.
         base.train.update(steps=900, eval_every=300)
         base.checkpoint.every = 300
         base.train.adversarial.update(d1_size=64, d2_size=64, ridge=3.0, start_step=300)
-        lams = (3.0,)
+        lams = (1.0,) if language == "pcfg" else (3.0,)
     else:
         base.train.adversarial.update(d1_size=256, d2_size=256, ridge=1.0)
         lams = (0.1, 1.0)
