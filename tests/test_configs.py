@@ -32,12 +32,15 @@ def test_experiment_configs_validate(spec):
 
 def test_table1_runs_differ_only_in_the_algorithm():
     exp = load_experiment(f"{REPO}/configs/experiments/table1.py:tiny")
-    plain, adv = (run_config(exp, r) for r in exp.runs[:2])
-    assert plain.train.adversarial.lam == 0 and adv.train.adversarial.lam > 0
-    a, b = plain.to_dict(), adv.to_dict()
-    a["train"].pop("adversarial"), b["train"].pop("adversarial")
-    a.pop("config_spec"), b.pop("config_spec")
-    assert a == b
+    runs = {r["name"]: run_config(exp, r) for r in exp.runs}
+    assert sorted(runs) == ["adamw-seed0", "adamw-seed1", "adversarial-lam1-seed0", "adversarial-lam1-seed1"]
+    for seed in (0, 1):
+        plain, adv = runs[f"adamw-seed{seed}"], runs[f"adversarial-lam1-seed{seed}"]
+        assert plain.train.adversarial.lam == 0 and adv.train.adversarial.lam > 0 and plain.seed == adv.seed == seed
+        a, b = plain.to_dict(), adv.to_dict()
+        a["train"].pop("adversarial"), b["train"].pop("adversarial")
+        a.pop("config_spec"), b.pop("config_spec")
+        assert a == b
 
 
 def test_sgd_protocol_is_warmup_12_percent_then_constant():
