@@ -1,8 +1,8 @@
 """Step time of the adversarial train step as a multiple of the plain MLM step at the same shape.
 
 Setting (defaults): the paper's HMM vocabulary (200 words), sentences of T=16 tokens, a pre-LN Bert (d_model 128,
-2 layers, dropout 0.1), AdamW as in `flatlm.train.optim`, MLM batches of 256, 1024 and 4096 (the paper-scale
-configs' batch) and D1/D2 batches of 256 each (task-6 labels, 100 classes). Both steps are `train_step` jitted
+2 layers, dropout 0.1), AdamW as in `flatlm.train.optim`, MLM batches of 256, 1024 and 4096 (the paper's
+pre-training batch) and D1/D2 batches of 256 each (task-6 labels, 100 classes). Both steps are `train_step` jitted
 with a donated state; they run interleaved in rounds (up to `--steps` of each per round) so machine load affects
 both alike, and the table reports the median per-step time over rounds. The goal is a ratio <= 1.5x. The XLA
 cost model's FLOP ratio of the two compiled steps is printed too: it is what the ratio tends to where the step is
@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     print(f"goal: adversarial <= {out['goal_ratio']}x plain with D1/D2 of 256. The extra work is a forward and "
           "backward pass of the encoder over d1 + d2 sentences, so where the step is compute bound (a CPU) the "
           "ratio tracks the FLOPs column, about 1 + (d1 + d2) / (MLM batch): the goal holds from an MLM batch of "
-          "about 2 (d1 + d2) (the paper-scale configs use 4096).")
+          "about 2 (d1 + d2) (the paper pre-trains with 4096).")
     return out
 
 
