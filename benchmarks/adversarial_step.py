@@ -28,7 +28,6 @@ import numpy as np
 
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
-from flatlm.evaluate.probe import model_feature_fn
 from flatlm.models import Bert, BertConfig
 from flatlm.train import adversarial as adv
 from flatlm.train import optim
@@ -75,7 +74,7 @@ def measure(a, mlm_batch: int) -> list[dict]:
     for proj in (int(x) for x in a.projection.split(",")):
         acfg = adv.AdversarialConfig(lam=0.1, d1_size=a.d1, d2_size=a.d2, num_classes=a.classes, loss=a.loss,
                                      projection_dim=proj)
-        kinds[f"adversarial proj={proj}" if proj else "adversarial"] = adv.make_objective(acfg, model_feature_fn(model))
+        kinds[f"adversarial proj={proj}" if proj else "adversarial"] = adv.make_objective(acfg)
     steps, states, info = {}, {}, {}
     for name, objective in kinds.items():
         states[name] = fresh()

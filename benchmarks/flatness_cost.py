@@ -33,7 +33,7 @@ from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import param_groups
 from flatlm.languages.base import special_ids
 from flatlm.models.bert import Bert, BertConfig
-from flatlm.train.losses import mlm_loss
+from flatlm.models.losses import mlm_loss
 
 V, T = 200, 32
 

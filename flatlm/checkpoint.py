@@ -11,6 +11,13 @@ from pathlib import Path
 import grain
 import orbax.checkpoint as ocp
 
+from flatlm.config import check_positive
+
+
+def validate_config(checkpoint) -> None:
+    """Check a config's `checkpoint` section; one line naming `checkpoint.<field>` on failure."""
+    check_positive(checkpoint, "checkpoint", "every", "keep")
+
 
 class PinnedSteps(ocp.checkpoint_managers.PreservationPolicy):
     """Keeps checkpoints at a set of steps that may grow while training (`pin`)."""
@@ -19,14 +26,17 @@ class PinnedSteps(ocp.checkpoint_managers.PreservationPolicy):
         self.steps = set(int(s) for s in steps)
 
     def pin(self, *steps: int) -> None:
+        """Keep these steps forever (in addition to the newest `keep`)."""
         self.steps.update(int(s) for s in steps)
 
     def should_preserve(self, checkpoints, *, context):
+        """Orbax's hook: for each checkpoint, whether its step is pinned."""
         return [c.step in self.steps for c in checkpoints]
 
 
 def manager(workdir: str, keep: int = 3, pinned: PinnedSteps | None = None,
             read_only: bool = False) -> ocp.CheckpointManager:
+    """The run's CheckpointManager over `<workdir>/checkpoints`: keep the newest `keep` plus `pinned` steps."""
     policies = [ocp.checkpoint_managers.LatestN(keep)]
     if pinned is not None:
         policies.append(pinned)
@@ -43,6 +53,7 @@ def manager(workdir: str, keep: int = 3, pinned: PinnedSteps | None = None,
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, force: bool = True) -> None:
+    """Write checkpoint `step` (state and, if given, the data iterator's position) and wait until committed."""
     items = {"state": ocp.args.StandardSave(state)}
     if data_iterator is not None:
         items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -59,22 +70,21 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterato
     return restored["state"]
 
 
-def restore_params(workdir: str, step: int, abstract_state):
-    """The parameters of checkpoint `step` (for evaluators), placed as `abstract_state` (the full state) asks."""
-    mngr = manager(workdir, read_only=True)
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+def restore_params(workdir: str, step: int, abstract_params):
+    """Only the parameters of checkpoint `step` (for evaluators), placed as `abstract_params` (ShapeDtypeStructs
+    with shardings) asks. The optimizer state stays on disk: a partial restore of the saved `state` item."""
+    mngr = ocp.CheckpointManager(Path(workdir, "checkpoints").absolute(),
+                                 options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                 item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    target = {"params": abstract_params}
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     mngr.close()
     return restored["state"]["params"]
 
 
 def all_steps(workdir: str) -> list[int]:
+    """Steps with a committed checkpoint in `workdir`, ascending ([] if none)."""
     if not Path(workdir, "checkpoints").exists():
         return []
     return sorted(manager(workdir, read_only=True).all_steps())
-
-
-def load_run(workdir: str, quiet: bool = True):
-    """The `flatlm.train.loop.Run` of a workdir (config, model, language, `load_params(step)`, `steps`)."""
-    from flatlm.train.loop import load_run as _load_run
-
-    return _load_run(workdir, quiet=quiet)

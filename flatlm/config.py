@@ -17,13 +17,6 @@ import ml_collections
 
 from flatlm.errors import UserError
 
-LANGUAGES = ("hmm", "pcfg", "opt", "dyck")
-MODELS = ("bert", "lstm")
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("linear", "constant", "cosine")
-MASKINGS = ("single", "bert")
-PARALLELISM = ("dp", "fsdp", "tp")
-
 
 def base_config() -> ml_collections.ConfigDict:
     """All fields a run has, with the paper's defaults where the paper gives one."""
@@ -195,100 +188,24 @@ def _suggest(name: str, node) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(node.keys())}"
 
 
-# ---------------------------------------------------------------- validation
+# ---------------------------------------------------------------- validation helpers
+# Each section is validated by the layer that owns it (`flatlm.languages.validate_config`, `flatlm.data...`,
+# `flatlm.models...`, `flatlm.train...`, `flatlm.checkpoint...`, `flatlm.sharding...`); `flatlm.run.validate`
+# calls them all once, plus the checks that span sections.
 
 
-def _choice(value, choices, field):
+def check_choice(value, choices, field: str) -> None:
+    """UserError naming `config.<field>` unless `value` is one of `choices`."""
     if value not in choices:
-        raise UserError(f"config.{field}={value!r} is not one of {', '.join(choices)}; set --config.{field}=...")
+        raise UserError(f"config.{field}={value!r} is not one of {', '.join(map(str, choices))}; "
+                        f"set --config.{field}=...")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
-    """Check a config before anything runs; one line naming the field and the fix on failure."""
-    _choice(config.language.name, LANGUAGES, "language.name")
-    _choice(config.model.kind, MODELS, "model.kind")
-    _choice(config.train.optimizer, OPTIMIZERS, "train.optimizer")
-    _choice(config.train.schedule, SCHEDULES, "train.schedule")
-    _choice(config.data.masking, MASKINGS, "data.masking")
-    _choice(config.data.source, ("tfds", "stream"), "data.source")
-    _choice(config.mesh.parallelism, PARALLELISM, "mesh.parallelism")
-    _choice(config.model.ln_mode, ("pre", "post"), "model.ln_mode")
-    for field in ("train.steps", "data.batch_size", "train.log_every", "train.eval_every", "checkpoint.every",
-                  "checkpoint.keep", "data.eval_size", "data.train_size"):
-        section, name = field.split(".")
-        if config[section][name] <= 0:
-            raise UserError(f"config.{field} must be positive, got {config[section][name]}")
-    if not config.train.lr > 0:
-        raise UserError(f"config.train.lr must be positive, got {config.train.lr}")
-    if not 0 <= config.train.warmup_frac < 1:
-        raise UserError(f"config.train.warmup_frac must be in [0, 1), got {config.train.warmup_frac}")
-    adv = config.train.adversarial
-    if adv.lam < 0:
-        raise UserError(f"config.train.adversarial.lam must be >= 0, got {adv.lam}")
-    if (adv.lam > 0 or adv.monitor) and config.language.name not in ("hmm", "pcfg"):
-        raise UserError("the adversarial objective needs a language with downstream tasks (hmm or pcfg)")
-    if adv.lam > 0 or adv.monitor:
-        from flatlm.train.adversarial import LOSSES, NORMALIZATIONS
-
-        _choice(adv.loss, LOSSES, "train.adversarial.loss")
-        _choice(adv.normalize, NORMALIZATIONS, "train.adversarial.normalize")
-        if not adv.ridge > 0:
-            raise UserError(f"config.train.adversarial.ridge must be positive, got {adv.ridge}")
-        for name in ("d1_size", "d2_size"):
-            if adv[name] < 1:
-                raise UserError(f"config.train.adversarial.{name} must be positive, got {adv[name]}")
-        if adv.pool_size and adv.pool_size < adv.d1_size + adv.d2_size:
-            raise UserError(f"config.train.adversarial.pool_size={adv.pool_size} is smaller than d1_size + d2_size; "
-                            "raise it or set it to 0 (fresh sentences every step)")
-        if not 0 <= adv.start_step < config.train.steps:
-            raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")
-    if not 0 < config.data.mask_prob <= 1:
-        raise UserError(f"config.data.mask_prob must be in (0, 1], got {config.data.mask_prob}")
-    if config.model.shape:
-        from flatlm.models.bert import TABLE3
-
-        if config.model.shape not in TABLE3:
-            raise UserError(f"config.model.shape={config.model.shape!r} is unknown; choose one of {', '.join(TABLE3)}")
-    if config.model.kind == "bert":
-        d, heads = _bert_dims(config)
-        if d % heads:
-            raise UserError(f"config.model.d_model={d} is not divisible by num_heads={heads}")
-    if num_devices is not None:
-        data, model = mesh_shape(config, num_devices)
-        if data * model > num_devices:
-            raise UserError(
-                f"mesh {data}x{model} needs {data * model} devices but only {num_devices} are available; "
-                "lower --config.mesh.data / --config.mesh.model"
-            )
-        if config.data.batch_size % data:
-            raise UserError(
-                f"config.data.batch_size={config.data.batch_size} is not divisible by the data axis ({data}); "
-                f"use a multiple of {data}"
-            )
-        adv = config.train.adversarial
-        for name in ("d1_size", "d2_size"):
-            if (adv.lam > 0 or adv.monitor) and adv[name] % data:
-                raise UserError(f"config.train.adversarial.{name}={adv[name]} is not divisible by the data axis "
-                                f"({data}); use a multiple of {data}")
-
-
-def _bert_dims(config) -> tuple[int, int]:
-    from flatlm.models.bert import TABLE3
-
-    d = TABLE3[config.model.shape][1] if config.model.shape else config.model.d_model
-    return d, config.model.num_heads or max(1, d // 64)
-
-
-def mesh_shape(config, num_devices: int) -> tuple[int, int]:
-    """(data, model) sizes; -1 on one axis takes the remaining devices."""
-    data, model = int(config.mesh.data), int(config.mesh.model)
-    if model <= 0 and data <= 0:
-        raise UserError("config.mesh.data and config.mesh.model cannot both be -1")
-    if model <= 0:
-        model = max(1, num_devices // data)
-    if data <= 0:
-        data = max(1, num_devices // model)
-    return data, model
+def check_positive(section, prefix: str, *names: str) -> None:
+    """UserError naming `config.<prefix>.<name>` for the first of `names` that is not > 0."""
+    for name in names:
+        if not section[name] > 0:
+            raise UserError(f"config.{prefix}.{name} must be positive, got {section[name]}")
 
 
 # ---------------------------------------------------------------- workdir
@@ -327,6 +244,7 @@ def _flat(d, prefix=""):
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config stored in a workdir's config.json, merged over `base_config()`."""
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise UserError(f"{workdir} is not a flatlm run (no config.json); pass the --workdir of a `flatlm train`")

@@ -9,9 +9,15 @@ the Hessian (flatness). Everything is written to the workdir.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+import ml_collections
 
 from flatlm import results as results_lib
 from flatlm.config import base_config
+from flatlm.evaluate.runner import evaluate_run
+from flatlm.experiment import evaluate_pending, flatness_pending
+from flatlm.train.loop import train_and_evaluate
 
 TASK = "A"
 
@@ -34,32 +40,25 @@ def demo_config(steps: int = 0):
 
 
 def run(workdir: str, steps: int = 0, progress: bool = True, flatness: bool = True) -> dict:
-    from flatlm.evaluate.runner import evaluate_run
-    from flatlm.experiment import evaluate_pending, flatness_pending
-    from flatlm.train.loop import train_and_evaluate
-
+    """Train the demo (resuming), evaluate what is missing, measure Tr(H) by the paper's Fisher estimator (B.1);
+    returns `summary`."""
     config = demo_config(steps)
     if progress:
         print(f"flatlm demo: writing to {workdir}", file=sys.stderr)
     train_and_evaluate(config, workdir, progress=progress)
     have = results_lib.load(workdir)
     if not any(e["kind"] == "probe" for e in have):
-        evaluate_run(workdir, "all", progress=progress)
+        evaluate_run(workdir, progress=progress)
     else:  # a rerun: only what is missing
-        from pathlib import Path
-
         evaluate_pending(Path(workdir), progress)
     if flatness:
-        from pathlib import Path
-
-        import ml_collections
-
         flatness_pending(Path(workdir), ml_collections.ConfigDict(dict(
             method="fisher", num_probes=0, num_batches=2, batch_size=64, draws=8, grow_to=())), progress)
     return summary(workdir, config)
 
 
 def summary(workdir: str, config) -> dict:
+    """The demo's results per checkpoint (exact loss, probe accuracy, Tr(H)) and the lookup table, as a dict."""
     entries = results_lib.load(workdir)
     rows: dict[int, dict] = {}
     for e in entries:
@@ -77,23 +76,3 @@ def summary(workdir: str, config) -> dict:
             "rows": [rows[s] for s in sorted(rows)],
             "lookup_table": None if lookup is None else {"accuracy": lookup["accuracy"],
                                                          "accuracy_std": lookup["accuracy_std"]}}
-
-
-def print_report(result: dict) -> None:
-    from flatlm.cli import print_table
-
-    print(f"\nPCFG language (random grammar of the paper's shape, seed {result['language']['seed']}); loss in nats per "
-          f"masked position; probe = linear probe accuracy on task {result['task']} (the most likely root child of "
-          "the sentence, released definition), mean ± std over seeds:")
-    rows = []
-    for r in result["rows"]:
-        rows.append({**r, "probe_s": f"{100 * r['probe']:.1f} ± {100 * r['probe_std']:.1f}" if "probe" in r else None,
-                     "trace_s": f"{r['trace']:.4g} ± {r['trace_stderr']:.2g}" if "trace" in r else None})
-    lk = result["lookup_table"]
-    if lk:
-        rows.append({"step": "lookup", "loss": rows[-1].get("entropy") if rows else None, "entropy": None,
-                     "kl": 0.0, "probe_s": f"{100 * lk['accuracy']:.1f} ± {100 * lk['accuracy_std']:.1f}"})
-    print_table(rows, [("step", "step", ""), ("loss", "exact loss", ".4f"), ("entropy", "entropy", ".4f"),
-                       ("kl", "KL", ".4f"), ("probe_s", "probe acc %", "s"), ("trace_s", "Tr(H)", "s")])
-    print("\nlookup = a probe on the exact conditionals (a model with the optimal loss, KL = 0)")
-    print(f"workdir: {result['workdir']} (config.json, checkpoints/, metrics.jsonl, tensorboard/, results.json)")

@@ -17,11 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import ml_collections
 
+from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
 from flatlm import results as results_lib
 from flatlm.errors import UserError
+from flatlm.evaluate.runner import evaluate_run
+from flatlm.flatness.runner import flatness_run
+from flatlm.train.loop import train_and_evaluate, validate
 
 
 def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evaluate: bool = True,
@@ -64,19 +69,19 @@ def base_run_config(preset: str, language: str):
 
 
 def run_config(exp, run: dict):
+    """The full config of one run of the experiment: its base with the run's overrides."""
     config = copy.deepcopy(exp.base)
     config.config_spec = f"{exp.name}/{run['name']}"
     return config_lib.apply_overrides(config, list(run["overrides"]))
 
 
 def validate_experiment(exp) -> None:
-    import jax
-
+    """Unique run names, and every run's config valid on this machine's devices."""
     names = [r["name"] for r in exp.runs]
     if len(set(names)) != len(names):
         raise UserError(f"experiment {exp.name}: run names must be unique, got {names}")
     for r in exp.runs:
-        config_lib.validate(run_config(exp, r), jax.device_count())
+        validate(run_config(exp, r), jax.device_count())
 
 
 def _done(run_dir: Path) -> bool:
@@ -97,8 +102,6 @@ def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[
 
 def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
     """Train, evaluate and measure every run; returns {run name: status}."""
-    from flatlm.train.loop import train_and_evaluate
-
     validate_experiment(exp)
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -130,21 +133,16 @@ def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
 
 
 def evaluate_pending(run_dir: Path, progress: bool) -> None:
-    from flatlm.checkpoint import all_steps
-    from flatlm.evaluate.runner import evaluate_run
-
-    steps = _pending_steps(run_dir, "probe", all_steps(str(run_dir)))
+    """Evaluate the checkpoints of a run that have no probe result yet (and the lookup table once)."""
+    steps = _pending_steps(run_dir, "probe", ckpt.all_steps(str(run_dir)))
     have_lookup = any(e["kind"] == "lookup_table" for e in results_lib.load(str(run_dir)))
     if steps:
-        evaluate_run(str(run_dir), ",".join(map(str, steps)), lookup=None if not have_lookup else False,
-                     progress=progress)
+        evaluate_run(str(run_dir), steps, lookup=None if not have_lookup else False, progress=progress)
 
 
 def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
-    from flatlm.checkpoint import all_steps
-    from flatlm.flatness.runner import flatness_run
-
-    steps = _pending_steps(run_dir, "flatness", all_steps(str(run_dir)), method=fcfg.method)
+    """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to) of checkpoints that lack it."""
+    steps = _pending_steps(run_dir, "flatness", ckpt.all_steps(str(run_dir)), method=fcfg.method)
     if steps:
         flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,
@@ -157,31 +155,3 @@ def load_experiment(spec: str):
     if "runs" not in exp or "base" not in exp:
         raise UserError(f"{spec} is not an experiment config (needs `base` and `runs`); see configs/experiments/")
     return exp
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably")
-    p.add_argument("--config", required=True, help="configs/experiments/NAME.py[:PRESET]")
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=_cmd)
-
-
-def _cmd(args, extra) -> int:
-    exp = load_experiment(args.config)
-    if extra:
-        bad = [a for a in extra if not a.startswith("--config.")]
-        if bad:
-            raise UserError(f"unrecognised argument {bad[0]!r}; overrides look like --config.base.train.steps=200")
-        config_lib.apply_overrides(exp, extra)
-    status = run_experiment(exp, args.workdir, progress=not args.quiet)
-    if args.json:
-        print(json.dumps({"workdir": args.workdir, "runs": status}))
-    else:
-        from flatlm.cli import print_table
-
-        print_table([{"run": k, "status": v} for k, v in status.items()], [("run", "run", "s"),
-                                                                             ("status", "status", "s")])
-        print(f"report: flatlm report {args.workdir}")
-    return 0

@@ -29,6 +29,7 @@ class MetricWriter:
         self._tb = SummaryWriter(str(Path(workdir, "tensorboard")))
 
     def write(self, step: int, metrics: dict) -> None:
+        """Append one row {step, time, metrics...} to metrics.jsonl and the scalars to TensorBoard."""
         if not self.enabled:
             return
         row = {"step": int(step), "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
@@ -39,12 +40,14 @@ class MetricWriter:
                 self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
+        """Flush and close both sinks."""
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
 
 
 def read_metrics(workdir: str) -> list[dict]:
+    """Every row of the workdir's metrics.jsonl, in order ([] if none)."""
     path = Path(workdir, "metrics.jsonl")
     if not path.exists():
         return []

@@ -14,15 +14,24 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+from scipy.stats import spearmanr
 
 from flatlm import results as results_lib
+from flatlm.config import load_workdir_config
 from flatlm.errors import UserError
+from flatlm.languages import make_language
 from flatlm.metrics import read_metrics
+from flatlm.models import make_model, model_config
 
 
 @dataclass
 class RunData:
+    """One run as the report sees it: its config, exact-loss evals (metrics.jsonl) and results.json entries."""
     name: str
     path: Path
     config: dict
@@ -40,10 +49,12 @@ class RunData:
         return out
 
     def by_kind(self, kind: str) -> dict:
+        """step -> latest results entry of `kind` (e.g. "exact_loss", "flatness")."""
         return {e["step"]: e for e in self.results if e["kind"] == kind}
 
 
 def find_runs(dirs: list[str]) -> list[RunData]:
+    """The runs under each dir: the dir itself if it is a run, else its experiment's runs/* in run order."""
     runs = []
     for d in dirs:
         p = Path(d)
@@ -63,14 +74,6 @@ def find_runs(dirs: list[str]) -> list[RunData]:
 
 def param_count(run: RunData) -> int | None:
     """Number of parameters of the run's model (abstract init; nothing is allocated)."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from flatlm.config import load_workdir_config
-    from flatlm.languages import make_language
-    from flatlm.models import make_model, model_config
-
     cfg = load_workdir_config(str(run.path))
     lang = make_language(cfg.language)
     model = make_model(model_config(cfg.model, lang.vocab_size, lang.max_length + 1))
@@ -80,8 +83,6 @@ def param_count(run: RunData) -> int | None:
 
 def spearman_with_ci(x, y, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Spearman's rho and a percentile bootstrap 95% interval (pairs resampled)."""
-    from scipy.stats import spearmanr
-
     x, y = np.asarray(x, float), np.asarray(y, float)
     rho = float(spearmanr(x, y).statistic)
     rng = np.random.default_rng(seed)
@@ -102,12 +103,14 @@ def _pm(mean, std, scale=100.0, digits=1) -> str:
     return "-" if mean is None else f"{scale * mean:.{digits}f} ± {scale * (std or 0):.{digits}f}"
 
 
+def subplots(ncols: int = 1, figsize=(5.5, 4)):
+    """A pyplot-free figure and its axes (a 1-D array when ncols > 1, else one Axes)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(1, ncols, squeeze=ncols == 1)
+
+
 def make_report(dirs: list[str], out: str | None = None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report)."""
     runs = find_runs(dirs)
     for r in runs:
         try:
@@ -120,7 +123,7 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
     md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
 
     # 1. exact loss and log KL vs steps
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = subplots(2, figsize=(11, 4))
     for r in runs:
         s = [m["step"] for m in r.evals]
         a.plot(s, [m["eval/loss"] for m in r.evals], "o-", ms=3, label=r.name)
@@ -136,8 +139,8 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
 
     # 2. downstream accuracy vs steps
     if tasks:
-        fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
-        for ax, t in zip(axes[0], tasks):
+        fig, axes = subplots(len(tasks), figsize=(5 * len(tasks), 3.8))
+        for ax, t in zip(np.atleast_1d(axes), tasks):
             for r in runs:
                 p = r.probe(t)
                 if p:
@@ -155,7 +158,7 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
     # 3. accuracy vs model size at equal loss
     sized = [r for r in runs if r.num_params and r.probe()]
     if len({r.num_params for r in sized}) > 1:
-        fig, ax = plt.subplots(figsize=(5.5, 4))
+        fig, ax = subplots()
         for t in tasks:
             pts = sorted((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t))
             ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
@@ -179,7 +182,7 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
                 pairs.append((fl[step]["trace"], e["accuracy"], r.name))
     if len(pairs) >= 3:
         rho, lo, hi = spearman_with_ci([p[0] for p in pairs], [p[1] for p in pairs])
-        fig, ax = plt.subplots(figsize=(5.5, 4))
+        fig, ax = subplots()
         for name in sorted({p[2] for p in pairs}):
             pts = [p for p in pairs if p[2] == name]
             ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=name, s=18)
@@ -274,24 +277,3 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="markdown report with plots from finished runs or experiments")
-    p.add_argument("dirs", nargs="+", help="run or experiment workdirs")
-    p.add_argument("--out", default=None, help="output folder (default: <first dir>/report)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd)
-
-
-def _cmd(args) -> int:
-    path = make_report(args.dirs, args.out)
-    if args.json:
-        print(json.dumps({"report": str(path), "plots": sorted(str(p) for p in path.parent.glob("*.png"))}))
-    else:
-        print(path.read_text())
-        print(f"written: {path}")
-    return 0

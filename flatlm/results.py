@@ -28,6 +28,7 @@ def _clean(x):
 
 
 def load(workdir: str) -> list[dict]:
+    """Every entry of the workdir's results.json ([] if there is none)."""
     path = Path(workdir, "results.json")
     return json.loads(path.read_text())["results"] if path.exists() else []
 

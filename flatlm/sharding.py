@@ -15,12 +15,44 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flatlm import config as config_lib
+from flatlm.config import check_choice
+from flatlm.errors import UserError
 
 Rules = tuple[tuple[str, str | None], ...]
+PARALLELISM = ("dp", "fsdp", "tp")
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, int]:
+    """(data, model) sizes of the config's mesh; -1 on one axis takes the remaining devices."""
+    data, model = int(config.mesh.data), int(config.mesh.model)
+    if model <= 0 and data <= 0:
+        raise UserError("config.mesh.data and config.mesh.model cannot both be -1")
+    if model <= 0:
+        model = max(1, num_devices // data)
+    if data <= 0:
+        data = max(1, num_devices // model)
+    return data, model
+
+
+def validate_config(config, num_devices: int) -> None:
+    """Check the `mesh` section against the devices and the batch sizes it must divide (data axis)."""
+    check_choice(config.mesh.parallelism, PARALLELISM, "mesh.parallelism")
+    data, model = mesh_shape(config, num_devices)
+    if data * model > num_devices:
+        raise UserError(f"mesh {data}x{model} needs {data * model} devices but only {num_devices} are available; "
+                        "lower --config.mesh.data / --config.mesh.model")
+    sizes = {"data.batch_size": config.data.batch_size}
+    adv = config.train.adversarial
+    if adv.lam > 0 or adv.monitor:
+        sizes.update({"train.adversarial.d1_size": adv.d1_size, "train.adversarial.d2_size": adv.d2_size})
+    for field, size in sizes.items():
+        if size % data:
+            raise UserError(f"config.{field}={size} is not divisible by the data axis ({data}); "
+                            f"use a multiple of {data}")
 
 
 def axis_rules(parallelism: str) -> Rules:
+    """Logical-to-mesh axis rules for "dp", "fsdp" or "tp" (see the module docstring)."""
     base = (("batch", "data"), ("length", None), ("vocab", None), ("kv", None), ("embed_out", None))
     if parallelism == "dp":
         return base + (("embed", None), ("heads", None), ("mlp", None))
@@ -32,8 +64,9 @@ def axis_rules(parallelism: str) -> Rules:
 
 
 def make_mesh(config, devices=None) -> Mesh:
+    """The ("data", "model") mesh of the config over `devices` (default: all)."""
     devices = list(devices if devices is not None else jax.devices())
-    data, model = config_lib.mesh_shape(config, len(devices))
+    data, model = mesh_shape(config, len(devices))
     grid = np.asarray(devices[: data * model]).reshape(data, model)
     return Mesh(grid, ("data", "model"))
 
@@ -65,6 +98,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated over the mesh."""
     return NamedSharding(mesh, PartitionSpec())
 
 

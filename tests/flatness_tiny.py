@@ -12,9 +12,9 @@ import numpy as np
 
 from flatlm.languages.base import special_ids
 from flatlm.models import bert as bert_module
+from flatlm.models import losses as losses_module
 from flatlm.models.bert import Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
-from flatlm.train import losses as losses_module
 
 V, T = 5, 4
 

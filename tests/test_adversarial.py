@@ -13,10 +13,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO
+from flatlm.evaluate.features import gaussian_projection
 
 from flatlm.data.masking import mask_batch
 from flatlm.evaluate.exact_loss import exact_loss
-from flatlm.evaluate.probe import gaussian_projection, model_feature_fn
 from flatlm.languages import hmm
 from flatlm.models import Bert, BertConfig
 from flatlm.train import adversarial as adv
@@ -170,14 +170,13 @@ def test_meta_gradient_wrt_model_params_matches_finite_differences(d1, loss, nor
     rng = np.random.default_rng(d1)
     with jax.enable_x64(True):
         model, params = _tiny_bert("float64")
-        ff = model_feature_fn(model)
         cfg = adv.AdversarialConfig(lam=0.5, ridge=0.05, d1_size=d1, d2_size=12, loss=loss, normalize=normalize,
                                     projection_dim=proj, num_classes=3, ce_scale=3.0, cap_at_chance=False)
         batch = mask_batch(rng.integers(0, V, (6, T)), np.full(6, T), V, rng)
         batch.update(_random_down_batch(rng, d1, 12, 3))
-        objective = adv.make_objective(cfg, ff)
+        objective = adv.make_objective(cfg)
         if d1 < T * 8:
-            fn = lambda p: adv.downstream_terms(cfg, ff, p, batch)[0]
+            fn = lambda p: adv.downstream_terms(cfg, model.apply, p, batch)[0]
         else:
             fn = lambda p: objective(p, batch, model.apply, None)[0]
             loss, aux = jax.jit(lambda p: objective(p, batch, model.apply, None))(params)
@@ -193,7 +192,7 @@ def test_meta_gradient_wrt_model_params_matches_finite_differences(d1, loss, nor
 def test_projection_is_the_probes_matrix():
     """probe_features flattens [B, T, D] to [B, T * D] and projects with the probe's Gaussian matrix."""
     table = np.random.default_rng(0).normal(size=(V, 8)).astype(np.float32)
-    embed = lambda params, tokens: params[tokens]  # a stand-in encoder: hidden [B, T, 8]
+    embed = lambda variables, tokens, method: variables["params"][tokens]  # a stand-in apply_fn: [B, T, 8]
     tokens = np.random.default_rng(1).integers(0, V, (5, T)).astype(np.int32)
     raw, got = jax.jit(lambda p: (adv.probe_features(embed, p, tokens),
                                   adv.probe_features(embed, p, tokens, projection_dim=16, projection_seed=3)))(table)
@@ -210,12 +209,11 @@ def test_lambda_zero_reproduces_plain_adamw():
     rng = np.random.default_rng(0)
     model, params = _tiny_bert(d_model=16, dropout=0.1)
     opt = optax.adamw(3e-3, b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01)
-    ff = model_feature_fn(model)
     objectives = {
         "plain": mlm_objective,
-        "lam0": adv.make_objective(adv.AdversarialConfig(lam=0.0), ff),
+        "lam0": adv.make_objective(adv.AdversarialConfig(lam=0.0)),
         "lam0-monitor": adv.make_objective(adv.AdversarialConfig(lam=0.0, monitor=True, num_classes=3, d1_size=8,
-                                                                 d2_size=8), ff),
+                                                                 d2_size=8)),
     }
     batches = []
     for _ in range(4):
@@ -293,9 +291,11 @@ def test_downstream_batches_deterministic_disjoint_resumable_and_sharded():
 
 def test_config_validation():
     for bad in (dict(loss="hinge"), dict(normalize="pca"), dict(lam=-1.0), dict(ridge=0.0),
-                dict(lam=1.0, num_classes=0), dict(pool_size=10), dict(label_definition="map")):
+                dict(pool_size=10), dict(label_definition="map"), dict(start_step=-1)):
         with pytest.raises(ValueError):
             adv.validate(adv.AdversarialConfig(**bad))
+    with pytest.raises(ValueError, match="num_classes"):
+        adv.make_objective(adv.AdversarialConfig(lam=1.0, num_classes=0))
     assert adv.AdversarialConfig(task="k10").position == 10
     with pytest.raises(ValueError):
         adv.task_position("A")
@@ -308,8 +308,9 @@ def test_config_validation():
     ("d2_size=7", "d2_size=7 is not divisible by the data axis"),
 ])
 def test_config_errors_name_the_field_and_the_fix(override, match):
-    from flatlm.config import apply_overrides, load_config, validate
+    from flatlm.config import apply_overrides, load_config
     from flatlm.errors import UserError
+    from flatlm.train.loop import validate
 
     c = apply_overrides(load_config(str(REPO / "configs" / "hmm_mlm.py") + ":tiny"),
                         ["--config.train.adversarial.lam=1.0", f"--config.train.adversarial.{override}"])
@@ -346,7 +347,7 @@ def _effect_run(d_model: int, warm: int, steps: int, lam: float, ridge: float, s
     phase2 = list(mlm_batches(steps, warm))
     out = {}
     for name in ("plain", "adversarial"):
-        step = plain if name == "plain" else jit_step(adv.make_objective(cfg, model_feature_fn(model)))
+        step = plain if name == "plain" else jit_step(adv.make_objective(cfg))
         down = adv.downstream_iterator(cfg, lang, start=warm)
         s = state
         for b in phase2:
@@ -361,13 +362,12 @@ def _d2_style_accuracy(lang, model, params_by_name, k=4, n=64, pairs=32, seed=12
     it = adv.downstream_batches(lang, k, n, n, seed=seed)
     held = [next(it) for _ in range(pairs)]
     stack = {key: jnp.asarray(np.stack([h[key] for h in held])) for key in adv.DOWN_KEYS}
-    ff = model_feature_fn(model)
 
     @jax.jit
     def accuracy(params):
         def one(b):
-            x1 = adv.probe_features(ff, params, b["down1_tokens"])
-            x2 = adv.probe_features(ff, params, b["down2_tokens"])
+            x1 = adv.probe_features(model.apply, params, b["down1_tokens"])
+            x2 = adv.probe_features(model.apply, params, b["down2_tokens"])
             pred = adv.closed_form_predict(x1, b["down1_labels"], x2, num_classes=lang.num_states, ridge=1.0)
             return jnp.mean(jnp.argmax(pred, -1) == b["down2_labels"])
         return jnp.mean(jax.vmap(one)(stack))
@@ -420,7 +420,6 @@ def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, pr
         return
     train, test = lang.sample(2000, seed=777), lang.sample(2000, seed=778)
     labels = {"train": train.latents["states"][:, 4], "test": test.latents["states"][:, 4]}
-    ff = model_feature_fn(model)
     probe_acc = {}
     for name, p in params.items():
         feats = {split: probe.extract_features(ff, p, c.tokens, progress=False)
@@ -442,7 +441,6 @@ def test_adversarial_step_under_data_parallel_sharding():
         import numpy as np, jax, jax.numpy as jnp, optax, flax.linen as nn
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         from flatlm.data.masking import mask_batch
-        from flatlm.evaluate.probe import model_feature_fn
         from flatlm.models import Bert, BertConfig
         from flatlm.train import adversarial as adv
         from flatlm.train.step import train_step
@@ -453,7 +451,7 @@ def test_adversarial_step_under_data_parallel_sharding():
         opt = optax.sgd(0.1)  # params differ by lr * grad differences (Adam's first step would amplify noise)
         cfg = adv.AdversarialConfig(lam=1.0, d1_size=8, d2_size=8, num_classes=3)
         step = functools.partial(train_step, apply_fn=model.apply, optimizer=opt, seed=0,
-                                 objective=adv.make_objective(cfg, model_feature_fn(model)), dropout=False)
+                                 objective=adv.make_objective(cfg), dropout=False)
         rng = np.random.default_rng(0)
         batch = mask_batch(rng.integers(0, 6, (8, 4)), np.full(8, 4), 6, rng)
         batch.update(down1_tokens=rng.integers(0, 6, (8, 4)).astype(np.int32),
@@ -488,10 +486,9 @@ def _loop_config(tmp_path, *overrides):
 
 
 def _final_params(workdir, step=20):
-    from flatlm.config import load_workdir_config
-    from flatlm.train.loop import build_run
+    from flatlm.run import load_run
 
-    return build_run(load_workdir_config(str(workdir)), str(workdir), quiet=True).load_params(step)
+    return load_run(str(workdir)).load_params(step)
 
 
 def _max_diff(a, b) -> float:

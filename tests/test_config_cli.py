@@ -8,8 +8,9 @@ import pytest
 from conftest import REPO, run_cli
 
 from flatlm import cli
-from flatlm.config import apply_overrides, load_config, validate
+from flatlm.config import apply_overrides, load_config
 from flatlm.errors import UserError
+from flatlm.train.loop import validate
 
 TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
 

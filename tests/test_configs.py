@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from flatlm.config import load_config, validate
+from flatlm.config import load_config
 from flatlm.experiment import load_experiment, run_config, validate_experiment
+from flatlm.train.loop import validate
 
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "demo", "paper")] + [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]

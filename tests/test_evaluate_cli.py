@@ -8,8 +8,8 @@ import pytest
 from conftest import REPO, run_cli
 
 from flatlm import results
+from flatlm.cli.common import parse_steps
 from flatlm.errors import UserError
-from flatlm.evaluate.runner import parse_steps
 
 TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
 SMALL_EVAL = ["--config.eval.tasks=['k3']", "--config.eval.task_train_size=600", "--config.eval.task_eval_size=200",

@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 
 from flatlm.flatness import fisher as fi
 from flatlm.flatness import hessian as hs
-from flatlm.flatness.report import measure
+from flatlm.flatness.compare import measure
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,4 +1,4 @@
-"""flatlm.flatness.cli: the `flatness` and `grow` verbs end to end on a stand-in for flatlm.checkpoint's Run."""
+"""The `flatness` and `grow` verbs (flatlm.cli.flatness / flatlm.cli.grow) end to end on a stand-in for a Run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from flatness_tiny import fast_compile, init, mlm_batch
 
+from flatlm.cli import flatness as flatness_cli
+from flatlm.cli import grow as grow_cli
 from flatlm.errors import UserError
-from flatlm.flatness import cli
 from flatlm.models.bert import Bert, BertConfig
+from flatlm.table import format_table
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,13 +25,14 @@ def _fast_compile():
 
 @dataclasses.dataclass
 class FakeRun:
-    """The interface cli.py expects from flatlm.checkpoint.load_run(workdir)."""
+    """The part of `flatlm.run.Run` that the flatness and grow verbs use."""
 
     model: Bert
     params: dict
     steps: tuple = (100, 200)
     config: object = None
     language: object = None
+    workdir: str = ""
 
     def load_params(self, step: int) -> dict:
         return self.params
@@ -51,9 +54,13 @@ def run():
 
 
 def _main(argv, run, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_load_run", lambda workdir: run)
+    run = dataclasses.replace(run, workdir=argv[argv.index("--workdir") + 1])
+    for verb in (flatness_cli, grow_cli):
+        monkeypatch.setattr(verb, "load_run", lambda workdir: run)
     parser = argparse.ArgumentParser(prog="flatlm")
-    cli.add_parser(parser.add_subparsers(dest="verb", required=True))
+    sub = parser.add_subparsers(dest="verb", required=True)
+    flatness_cli.add_parser(sub)
+    grow_cli.add_parser(sub)
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     return capsys.readouterr().out
@@ -96,5 +103,5 @@ def test_grow_check_and_out(run, monkeypatch, capsys, tmp_path):
 
 
 def test_format_table():
-    text = cli.format_table([{"a": 1.23456789, "b": None}, {"a": 2.0, "b": "x"}], ["a", "b"])
-    assert text.splitlines() == ["     a  b", "1.2346  -", "     2  x"]
+    text = format_table([{"a": 1.23456789, "b": None}, {"a": 2.0, "b": "x"}], ["a", "b"])
+    assert text.splitlines() == ["     a  b", "------  -", "1.2346  -", "     2  x"]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from flatlm.checkpoint import load_run
+from flatlm.run import load_run
 from flatlm.train.loop import train_and_evaluate
 
 # recorded with jax 0.10 on CPU (float32 training, float64 sums here)

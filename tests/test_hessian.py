@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 
 from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import TraceEstimate
-from flatlm.train.losses import mlm_loss
+from flatlm.models.losses import mlm_loss
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -191,7 +191,7 @@ MESH_SCRIPT = textwrap.dedent(
     from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert
     from flatlm.flatness import hessian as hs
     from flatlm.flatness.fisher import fisher_trace
-    from flatlm.train.losses import mlm_loss
+    from flatlm.models.losses import mlm_loss
 
     assert jax.device_count() == 8
     f64 = float64_everywhere()  # keep a reference: the context lasts for the whole script

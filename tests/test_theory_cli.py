@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from flatlm.cli import theory as cli
 from flatlm.errors import UserError
-from flatlm.theory import cli
 
 
 def _parse(*argv: str) -> argparse.Namespace:

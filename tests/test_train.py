@@ -12,10 +12,12 @@ TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
 
 
 def test_tiny_config_exact_kl_falls(tmp_path, tiny_config):
-    from flatlm.train.loop import build_run, evaluate_exact_loss, init_state, train_and_evaluate
+    from flatlm.evaluate.runner import run_exact_loss
+    from flatlm.run import build_run
+    from flatlm.train.loop import init_state, train_and_evaluate, train_setup
 
     run = build_run(tiny_config, str(tmp_path))
-    before = evaluate_exact_loss(run, init_state(run)["params"])
+    before = run_exact_loss(run, init_state(run, train_setup(run))["params"])
     after = {k.removeprefix("eval/"): v for k, v in train_and_evaluate(tiny_config, str(tmp_path),
                                                                        progress=False).items()}
     assert abs(before["entropy"] - after["entropy"]) < 1e-9  # same data, same truth
@@ -34,15 +36,17 @@ from flatlm.config import load_config, apply_overrides
 from flatlm.train import loop
 from flatlm import sharding
 from flatlm.data import pipeline
+from flatlm.run import build_run
 
 results = {}
 for data, model, par in %s:
     c = apply_overrides(load_config(%r), ["--config.mesh.data=%%d" %% data, "--config.mesh.model=%%d" %% model,
         "--config.mesh.parallelism=" + par, "--config.model.d_model=128", "--config.data.batch_size=32",
         "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0"])
-    run = loop.build_run(c, %r)
-    state = loop.init_state(run)
-    step = loop.jit_train_step(run)
+    run = build_run(c, %r)
+    setup = loop.train_setup(run)
+    state = loop.init_state(run, setup)
+    step = loop.jit_train_step(run, setup)
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources["train"])
     with run.mesh:
         for _ in range(2):
@@ -78,11 +82,9 @@ RESUME = ["--config.train.steps=20", "--config.checkpoint.every=10", "--config.t
 
 
 def _params_of(workdir):
-    from flatlm.config import load_workdir_config
-    from flatlm.train.loop import build_run
+    from flatlm.run import load_run
 
-    run = build_run(load_workdir_config(str(workdir)), str(workdir), quiet=True)
-    return run.load_params(20)
+    return load_run(str(workdir)).load_params(20)
 
 
 def test_sigkill_then_resume_gives_identical_parameters(tmp_path):

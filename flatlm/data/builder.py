@@ -36,6 +36,7 @@ class CorpusConfig(tfds.core.BuilderConfig):
 
 
 def corpus_config(language_spec: dict, train_size: int, eval_size: int, seed: int) -> CorpusConfig:
+    """The builder config of a corpus: named by a hash of its language spec, sizes and seed."""
     payload = json.dumps(
         {"spec": language_spec, "train": train_size, "eval": eval_size, "seed": seed}, sort_keys=True
     )
@@ -54,6 +55,7 @@ class FlatlmCorpus(tfds.core.GeneratorBasedBuilder):
 
     @property
     def language(self):
+        """The generative language of this corpus (built from the spec, cached)."""
         if not hasattr(self, "_language"):
             self._language = make_language(json.loads(self.builder_config.spec))
         return self._language

@@ -54,6 +54,7 @@ def train_dataset(data_config, num_words: int, seed: int, source=None, language=
 
 
 def train_iterator(data_config, num_words: int, seed: int, **kw) -> grain.DatasetIterator:
+    """A checkpointable grain iterator over `train_dataset(...)` (its position is saved with the model)."""
     ds = train_dataset(data_config, num_words, seed, **kw).to_iter_dataset(
         grain.ReadOptions(num_threads=max(1, data_config.num_workers), prefetch_buffer_size=2)
     )

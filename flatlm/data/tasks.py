@@ -26,10 +26,12 @@ SPLITS = ("train", "validation", "test")
 
 
 def default_definition(language_name: str) -> str:
+    """The label definition used when the config leaves it empty: HMM "sampled", PCFG "released"."""
     return {"hmm": "sampled", "pcfg": "released"}.get(language_name, "")
 
 
 def check_task(language, name: str, task: str) -> None:
+    """UserError unless `task` is a task of this language (HMM k<position>, PCFG A/B/C)."""
     if name == "hmm":
         if not (task.startswith("k") and task[1:].isdigit() and int(task[1:]) < language.max_length):
             raise UserError(f"HMM task {task!r} is not k<position> with position < {language.max_length}; e.g. k6")
@@ -41,6 +43,7 @@ def check_task(language, name: str, task: str) -> None:
 
 
 def num_classes(language, name: str, task: str) -> int:
+    """Number of labels of a task: HMM states, or the PCFG nonterminals the task ranges over."""
     return language.num_states if name == "hmm" else language.num_labels(task)
 
 
@@ -64,6 +67,7 @@ def sample_task(language, name: str, task: str, n: int, seed: int, definition: s
 
 @dataclasses.dataclass
 class TaskConfig(tfds.core.BuilderConfig):
+    """tfds builder config of a task's splits: language spec, task, sizes, seed and label definition."""
     spec: str = "{}"
     task: str = ""
     definition: str = ""
@@ -80,6 +84,7 @@ class FlatlmTask(tfds.core.GeneratorBasedBuilder):
 
     @property
     def language(self):
+        """The generative language of this task (built from the spec, cached)."""
         if not hasattr(self, "_language"):
             self._language = make_language(json.loads(self.builder_config.spec))
         return self._language

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.languages.base import special_ids
-from flatlm.models import logits_at
+from flatlm.models.losses import ApplyFn
 
 
 def position_terms(logp_BTV, q_BTV, lengths_B):
@@ -28,20 +28,23 @@ def position_terms(logp_BTV, q_BTV, lengths_B):
     return (ce_BT * valid_BT).sum(1), (ent_BT * valid_BT).sum(1), valid_BT.sum(1)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _sentence_terms(model, params, tokens_BT, lengths_B, q_BTV):
+@functools.partial(jax.jit, static_argnames=("apply_fn",))
+def _sentence_terms(apply_fn: ApplyFn, params, tokens_BT, lengths_B, q_BTV):
+    """Per-sentence cross-entropy and entropy sums with every position masked in turn (B * T copies)."""
     B, T = tokens_BT.shape
-    mask = special_ids(model.cfg.num_words).mask
+    mask = special_ids(q_BTV.shape[-1]).mask
     eye_TT = jnp.eye(T, dtype=bool)
     copies_BTT = jnp.where(eye_TT[None], mask, tokens_BT[:, None, :])  # copy t has position t masked
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-    logits_NV = logits_at(model, params, copies_BTT.reshape(B * T, T), pos_BT.reshape(-1))
+    logits_NV = apply_fn({"params": params}, copies_BTT.reshape(B * T, T), pos_BT.reshape(-1),
+                         method="logits_at")
     logp_BTV = jax.nn.log_softmax(logits_NV.astype(jnp.float32), axis=-1).reshape(B, T, -1)
     return position_terms(logp_BTV, q_BTV.astype(jnp.float32), lengths_B)
 
 
-def exact_loss(model, params, batches, num_subsets: int = 5, pad_to: int | None = None) -> dict:
-    """Exact loss over an iterable of validation batches {tokens, length, conditionals}.
+def exact_loss(apply_fn: ApplyFn, params, batches, num_subsets: int = 5, pad_to: int | None = None) -> dict:
+    """Exact loss of `apply_fn` (a Flax `model.apply` with a `logits_at` method) over validation batches
+    {tokens, length, conditionals q[B, T, V]}; V (and so the pad and mask ids) is read off q.
 
     Returns loss, entropy, kl, log_kl (natural log of the KL), loss_std / kl_std over subsets, num_sentences.
     Batches shorter than `pad_to` are padded with empty sentences so the computation compiles once.
@@ -52,11 +55,11 @@ def exact_loss(model, params, batches, num_subsets: int = 5, pad_to: int | None 
         n = tokens.shape[0]
         if pad_to and n < pad_to:
             pad = pad_to - n
-            tokens = np.concatenate([tokens, np.full((pad, tokens.shape[1]), special_ids(model.cfg.num_words).pad,
+            tokens = np.concatenate([tokens, np.full((pad, tokens.shape[1]), special_ids(q.shape[-1]).pad,
                                                      tokens.dtype)])
             lengths = np.concatenate([lengths, np.zeros(pad, lengths.dtype)])
             q = np.concatenate([q, np.zeros((pad,) + q.shape[1:], q.dtype)])
-        c, e, k = jax.device_get(_sentence_terms(model, params, tokens, lengths, q))
+        c, e, k = jax.device_get(_sentence_terms(apply_fn, params, tokens, lengths, q))
         ce.append(c[:n])
         ent.append(e[:n])
         cnt.append(k[:n])

@@ -188,6 +188,7 @@ def hashable(fn):
 
 
 def acc_dtype(x) -> jnp.dtype:
+    """The accumulation dtype for `x`: at least float32 (float64 stays float64)."""
     return jnp.promote_types(x.dtype, jnp.float32)
 
 

@@ -5,7 +5,7 @@ L = (1/W) sum_i w_i CE_i over positions i, W = sum_i w_i. Its Fisher (Gauss-Newt
   F = (1/W) sum_i w_i E_{y ~ p(.|x_-i)} [g_i(y) g_i(y)^T],   g_i(y) = grad log p(y | x_-i),
 so Tr F = (1/W) sum_i w_i E ||g_i(y)||^2: sample contexts, draw labels from the model's own prediction and average
 squared gradient norms. At the population optimum (model = true conditionals) E[Hessian] = F, the Bartlett
-identity the paper relies on; `flatlm.flatness.report.gap_report` shows how close a model is to it.
+identity the paper relies on; `flatlm.flatness.compare.gap_report` shows how close a model is to it.
 
 Two estimators, both unbiased, each with a standard error:
 - per-sample ("exact per-sample form"): one gradient per (context, draw), vmapped per-example gradients. Each row

@@ -42,14 +42,17 @@ Depth +n layers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flatlm.models.bert import TABLE3, BertConfig
+from flatlm.models.losses import mlm_loss
 
 # Embedding targets for comparing Table 3 shapes at one size: each target is the least common multiple of the
 # members' widths, with the largest member depth. name: (num_layers, d_model) of the target.
@@ -198,3 +201,23 @@ def embed(
         else:
             out["embed_ln"] = identity
     return jax.tree.map(lambda x: jnp.asarray(x, dt), out)
+
+
+def check_embedding(small_apply, small_params, big_apply, big_params, batches) -> dict[str, float]:
+    """Max |logit difference| and mean MLM loss (nats) of the small and grown models on MLM `batches`."""
+    diff, ls, lb = 0.0, [], []
+    for b in batches:
+        a = small_apply({"params": small_params}, b["tokens"])
+        c = big_apply({"params": big_params}, b["tokens"])
+        diff = max(diff, float(np.max(np.abs(np.asarray(a) - np.asarray(c)))))
+        ls.append(float(mlm_loss(small_params, b, small_apply)))
+        lb.append(float(mlm_loss(big_params, b, big_apply)))
+    return {"max_abs_logit_diff": diff, "loss_small": float(np.mean(ls)), "loss_big": float(np.mean(lb))}
+
+
+def save_npz(path: str, params, config: BertConfig) -> None:
+    """Write grown parameters as an .npz of '/'-joined parameter paths, with the BertConfig as JSON under
+    '__config__' (readable without flatlm: `np.load(path)`)."""
+    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    np.savez(path, __config__=np.array(json.dumps(dataclasses.asdict(config))), **flat)

@@ -1,8 +1,10 @@
-"""Flatness of a run's checkpoints, appended to its results.json (used by `flatlm flatness`, experiments, demo).
+"""Flatness of a run's checkpoints (used by `flatlm flatness`, experiments and the demo).
 
-Each entry: {"kind": "flatness", "step", "method", "trace", "trace_stderr", "detail": TraceEstimate.to_dict()}.
-The batches are masked validation sentences (one masked position per sentence, as in the paper), the same for
-every checkpoint, so traces along training are comparable.
+Each entry: {"kind": "flatness", "step", "method", "grown_to", "trace", "trace_stderr", "detail":
+TraceEstimate.to_dict()}, appended to the run's results.json. The batches are masked validation sentences (one
+masked position per sentence, as in the paper's B.1), the same for every checkpoint, so traces along training
+compare. With `gap=True` each entry is instead the Hessian / Fisher / empirical-Fisher comparison of
+`flatlm.flatness.compare.gap_report` ({"kind": "flatness_gap", ...}), returned but not appended.
 """
 
 from __future__ import annotations
@@ -13,35 +15,47 @@ import jax
 from tqdm.auto import tqdm
 
 from flatlm import results as results_lib
-from flatlm.flatness import report
+from flatlm.flatness import compare, grow
+from flatlm.models import Bert
+from flatlm.run import Run, load_run
 
 
-def flatness_run(workdir: str, steps: list[int] | None = None, method: str = "fisher", num_probes: int = 64,
-                 num_batches: int = 4, batch_size: int = 128, draws: int = 50, seed: int = 0,
-                 fisher_form: str = "per_sample", grow_to: tuple[int, int] | None = None,
-                 progress: bool = True) -> list[dict]:
-    """Measure and append Tr for `steps` (default: all). `grow_to=(num_layers, d_model)` first embeds every
-    checkpoint into that larger shape without changing its function (paper Figure 5), so sizes compare."""
-    from flatlm.checkpoint import load_run
-    from flatlm.flatness import grow
-    from flatlm.models import Bert
+def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher", *, num_probes: int = 64,
+                num_batches: int = 4, batch_size: int = 128, draws: int = 50, seed: int = 0,
+                fisher_form: str = "per_sample", chunk_size: int = 1, groups: str | None = None,
+                grow_to: tuple[int, int] | None = None, gap: bool = False, append: bool = True,
+                progress: bool = True) -> list[dict]:
+    """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
-    run = load_run(workdir)
+    `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
+    function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`.
+    """
     model = run.model
     if grow_to is not None:
-        big_cfg = grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1])
-        model = Bert(big_cfg)
+        model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))
     steps = list(run.steps) if steps is None else list(steps)
     batches = run.mlm_batches(num_batches, batch_size, seed=seed)
+    kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
+              groups=groups)
     entries = []
-    for step in tqdm(steps, desc=f"flatness ({method})", disable=not progress, file=sys.stderr):
+    for step in tqdm(steps, desc=f"flatness ({'gap' if gap else method})", disable=not progress, file=sys.stderr):
         params = run.load_params(step)
         if grow_to is not None:
             params = grow.embed(params, run.model.cfg, model.cfg)
-        est = report.measure(method, model.apply, params, batches, jax.random.key(seed + step),
-                             num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form)
+        key = jax.random.key(seed + step)
+        if gap:
+            entries.append({"kind": "flatness_gap", "step": step,
+                            **compare.gap_report(model.apply, params, batches, key, **kw)})
+            continue
+        est = compare.measure(method, model.apply, params, batches, key, **kw)
         entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "trace": est.mean,
                  "trace_stderr": est.stderr, "detail": est.to_dict()}
-        results_lib.append(workdir, [entry])
+        if append:
+            results_lib.append(run.workdir, [entry])
         entries.append(entry)
     return entries
+
+
+def flatness_run(workdir: str, steps: list[int] | None = None, method: str = "fisher", **kw) -> list[dict]:
+    """`measure_run` on the run stored in `workdir`, appending to its results.json."""
+    return measure_run(load_run(workdir), steps, method, **kw)

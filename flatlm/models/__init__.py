@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
+from flatlm.config import check_choice
+from flatlm.errors import UserError
 from flatlm.models.bert import TABLE3, Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
 
-__all__ = ["TABLE3", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "logits_at"]
+__all__ = ["TABLE3", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config"]
+
+KINDS = ("bert", "lstm")
+
+
+def validate_config(model) -> None:
+    """Check a config's `model` section; one line naming `model.<field>` on failure."""
+    check_choice(model.kind, KINDS, "model.kind")
+    check_choice(model.ln_mode, ("pre", "post"), "model.ln_mode")
+    if model.shape and model.shape not in TABLE3:
+        raise UserError(f"config.model.shape={model.shape!r} is unknown; choose one of {', '.join(TABLE3)}")
+    if model.kind == "bert":
+        d = TABLE3[model.shape][1] if model.shape else model.d_model
+        heads = model.num_heads or max(1, d // 64)
+        if d % heads:
+            raise UserError(f"config.model.d_model={d} is not divisible by num_heads={heads}")
 
 
 def model_config(model, num_words: int, max_len: int) -> BertConfig | LSTMConfig:
@@ -29,14 +44,5 @@ def model_config(model, num_words: int, max_len: int) -> BertConfig | LSTMConfig
 
 
 def make_model(cfg: BertConfig | LSTMConfig):
+    """The Flax module for a model dataclass (Bert or BiLSTM)."""
     return Bert(cfg) if isinstance(cfg, BertConfig) else BiLSTM(cfg)
-
-
-def logits_at(model, params, tokens_NT, positions_N):
-    """MLM logits [N, V] at one position per sequence (the Bert head runs only there)."""
-    rows = jnp.arange(tokens_NT.shape[0])
-    if isinstance(model, Bert):
-        h_NTD = model.apply({"params": params}, tokens_NT, method=Bert.features)
-        h_N1D = h_NTD[rows, positions_N][:, None, :]
-        return model.apply({"params": params}, h_N1D, method=Bert.logits)[:, 0]
-    return model.apply({"params": params}, tokens_NT)[rows, positions_N]

@@ -60,22 +60,27 @@ class BertConfig:
 
     @property
     def heads(self) -> int:
+        """Number of attention heads (0 in the config: head size 64, at least 1)."""
         return self.num_heads or max(1, self.d_model // 64)
 
     @property
     def head_dim(self) -> int:
+        """Per-head size d_model / heads."""
         return self.d_model // self.heads
 
     @property
     def ff(self) -> int:
+        """MLP hidden size (0 in the config: 4 * d_model)."""
         return self.d_ff or 4 * self.d_model
 
     @property
     def vocab_size(self) -> int:
+        """Embedding rows: the V words plus pad, mask and cls."""
         return special_ids(self.num_words).vocab_size
 
     @classmethod
     def from_table3(cls, name: str, **kw) -> BertConfig:
+        """The config of a paper Table 3 shape (A.3) by name, e.g. "L4-H128"."""
         if name not in TABLE3:
             raise KeyError(f"unknown Table 3 shape {name!r}; choose one of {', '.join(TABLE3)}")
         layers, d = TABLE3[name]
@@ -156,6 +161,7 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection; `bias_BHTT` masks padding."""
     cfg: BertConfig
 
     @nn.compact
@@ -183,6 +189,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
+    """The block's position-wise MLP: dense, GELU, dense (dropout after)."""
     cfg: BertConfig
 
     @nn.compact
@@ -201,6 +208,7 @@ class Mlp(nn.Module):
 
 
 class Layer(nn.Module):
+    """One transformer block, pre- or post-LN (`cfg.ln_mode`)."""
     cfg: BertConfig
 
     @nn.compact
@@ -270,5 +278,11 @@ class Bert(nn.Module):
         logits_NV = jnp.einsum("nd,vd->nv", h_ND, words_VD) + self.head_bias.astype(dt)
         return logits_NV.reshape(*lead, c.num_words)
 
+    def logits_at(self, tokens_NT, positions_N):
+        """MLM logits [N, V] at one position per sequence: the head runs only there (exact loss, A.5)."""
+        h_N1D = self.features(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N][:, None, :]
+        return self.logits(h_N1D)[:, 0]
+
     def __call__(self, tokens_BT, deterministic: bool = True):
+        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`)."""
         return self.logits(self.features(tokens_BT, deterministic))

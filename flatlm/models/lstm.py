@@ -25,10 +25,12 @@ class LSTMConfig:
 
     @property
     def vocab_size(self) -> int:
+        """Embedding rows: the V words plus pad, mask and cls."""
         return special_ids(self.num_words).vocab_size
 
     @property
     def embed_dim(self) -> int:
+        """Token embedding size (d_embed, default d_hidden)."""
         return self.d_embed or self.d_hidden
 
 
@@ -55,6 +57,7 @@ class BiLSTM(nn.Module):
         self.drop = nn.Dropout(c.dropout)
 
     def features(self, tokens_BT, deterministic: bool = True):
+        """Per-token hidden states [B, T, 2 * d_hidden] of the last bidirectional layer (lengths from padding)."""
         c = self.cfg
         lengths_B = jnp.sum(tokens_BT != special_ids(c.num_words).pad, axis=1)
         x = jnp.take(self.tok_embed, tokens_BT, axis=0).astype(jnp.dtype(c.dtype))
@@ -62,5 +65,10 @@ class BiLSTM(nn.Module):
             x = self.drop(layer(x, seq_lengths=lengths_B), deterministic=deterministic)
         return x
 
+    def logits_at(self, tokens_NT, positions_N):
+        """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy)."""
+        return self(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N]
+
     def __call__(self, tokens_BT, deterministic: bool = True):
+        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`)."""
         return self.head(self.features(tokens_BT, deterministic))

@@ -1,1 +1,27 @@
-"""Training: objectives, optimizers, train state, the jitted step and the loop."""
+"""Training: optimizers and schedules, the jitted step, the loop, and the adversarial objective (A.4)."""
+
+from flatlm.config import check_choice, check_positive
+from flatlm.errors import UserError
+from flatlm.train import adversarial
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("linear", "constant", "cosine")
+TASK_LANGUAGES = ("hmm", "pcfg")  # languages with downstream tasks for the adversarial objective
+
+
+def validate_config(config) -> None:
+    """Check a config's `train` section (with `train.adversarial`, which also needs a language with downstream
+    tasks); one line naming the field on failure. Opening a run checks the other sections (`flatlm.run`)."""
+    train = config.train
+    check_choice(train.optimizer, OPTIMIZERS, "train.optimizer")
+    check_choice(train.schedule, SCHEDULES, "train.schedule")
+    check_positive(train, "train", "steps", "log_every", "eval_every", "lr")
+    if not 0 <= train.warmup_frac < 1:
+        raise UserError(f"config.train.warmup_frac must be in [0, 1), got {train.warmup_frac}")
+    adv = adversarial.AdversarialConfig(**train.adversarial)
+    if adv.lam < 0 or adv.active:
+        adversarial.validate(adv)
+    if adv.active and config.language.name not in TASK_LANGUAGES:
+        raise UserError("the adversarial objective needs a language with downstream tasks (hmm or pcfg)")
+    if adv.active and adv.start_step >= train.steps:
+        raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")

@@ -18,7 +18,7 @@ capped at the loss of the chance head (D1's label frequencies; `cap_at_chance`):
 has no bound, and in practice it rewards blowing up a few features, which wrecks the MLM loss instead of
 removing the label information.
 
-`make_objective(cfg, feature_fn)` returns an objective for `flatlm.train.step.train_step`; its batch is the MLM
+`make_objective(cfg)` returns an objective for `flatlm.train.step.train_step`; its batch is the MLM
 batch plus `down1_tokens int32[d1, T]`, `down1_labels int32[d1]`, `down2_tokens int32[d2, T]`,
 `down2_labels int32[d2]` (plain unmasked sentences of the MLM batch's length T). `downstream_batches` makes
 those for HMM task-k, `pool_batches` for any labelled set (e.g. a task's train split).
@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.train.losses import mlm_loss
+from flatlm.config import check_choice
+from flatlm.errors import UserError
+from flatlm.evaluate.features import gaussian_projection
+from flatlm.models.losses import ApplyFn, mlm_loss
 
-FeatureFn = Callable[[Any, jax.Array], jax.Array]  # (params, tokens int32[B, T]) -> hidden [B, T, D]
 LOSSES = ("squared", "ce")
 LABEL_DEFINITIONS = ("sampled", "posterior")
 NORMALIZATIONS = ("global", "feature", "none")
@@ -59,7 +60,7 @@ class AdversarialConfig:
       ce_scale * prediction; averaged over D2. cap_at_chance: each D2 row's loss is capped at the loss of the
       chance head (D1's label frequencies), so the adversary drives the head to chance and no further.
     projection_dim: 0 = raw T*D features; > 0 = the probe's fixed Gaussian projection (paper: 512) with
-      projection_seed (the same matrix as `flatlm.evaluate.probe.gaussian_projection`).
+      projection_seed (the same matrix as `flatlm.evaluate.features.gaussian_projection`).
     normalize: "global" (default) centres features by D1's mean and divides them by D1's RMS over all
       features (scale-free, so the encoder cannot weaken the ridge by shrinking its features), "feature"
       standardises each feature by its D1 std (floored), "none" = raw features; the first two fit an
@@ -69,6 +70,11 @@ class AdversarialConfig:
     pool_size: 0 = fresh downstream sentences every step; > 0 = D1/D2 drawn from a fixed pool of that size.
     seed: seed of the downstream batches (and of the pool).
     monitor: with lam == 0, still report the D2 metrics (computed under stop_gradient: same gradients).
+    start_step: plain MLM steps up to this step, the adversarial objective after it (a warm start).
+
+    Built from the config section, `AdversarialConfig(**config.train.adversarial, num_classes=...,
+    label_definition=..., seed=config.seed)`: num_classes, label_definition and seed are derived from the
+    language, `eval.task_definition` and the run's seed.
     """
 
     lam: float = 0.0
@@ -87,6 +93,12 @@ class AdversarialConfig:
     pool_size: int = 0
     seed: int = 0
     monitor: bool = False
+    start_step: int = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the downstream term is computed at all (lam > 0, or lam = 0 with `monitor`)."""
+        return self.lam > 0 or self.monitor
 
     @property
     def position(self) -> int:
@@ -95,27 +107,32 @@ class AdversarialConfig:
 
 
 def task_position(task: str) -> int:
+    """k of an HMM task name "k<k>" (the hidden state at 0-based position k)."""
     if not (task.startswith("k") and task[1:].isdigit()):
         raise ValueError(f"HMM task {task!r} is not k<position>, e.g. k6")
     return int(task[1:])
 
 
 def validate(cfg: AdversarialConfig) -> None:
-    """Raises ValueError on an inconsistent config."""
-    if cfg.loss not in LOSSES:
-        raise ValueError(f"adversarial loss must be one of {LOSSES}, got {cfg.loss!r}")
-    if cfg.label_definition not in LABEL_DEFINITIONS:
-        raise ValueError(f"label_definition must be one of {LABEL_DEFINITIONS}, got {cfg.label_definition!r}")
-    if cfg.normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {cfg.normalize!r}")
-    if cfg.lam < 0 or cfg.ridge <= 0:
-        raise ValueError(f"need lam >= 0 and ridge > 0, got lam={cfg.lam}, ridge={cfg.ridge}")
-    if cfg.d1_size < 1 or cfg.d2_size < 1 or cfg.projection_dim < 0:
-        raise ValueError("d1_size and d2_size must be >= 1 and projection_dim >= 0")
-    if (cfg.lam > 0 or cfg.monitor) and cfg.num_classes < 2:
-        raise ValueError(f"num_classes must be >= 2 (HMM: num_states), got {cfg.num_classes}")
+    """Check the fields that come from `config.train.adversarial`; a UserError (a ValueError) naming the field."""
+    name = "config.train.adversarial"
+    if cfg.lam < 0:
+        raise UserError(f"{name}.lam must be >= 0, got {cfg.lam}")
+    check_choice(cfg.loss, LOSSES, "train.adversarial.loss")
+    check_choice(cfg.normalize, NORMALIZATIONS, "train.adversarial.normalize")
+    check_choice(cfg.label_definition, LABEL_DEFINITIONS, "eval.task_definition (adversarial labels)")
+    if not cfg.ridge > 0:
+        raise UserError(f"{name}.ridge must be positive, got {cfg.ridge}")
+    for field in ("d1_size", "d2_size"):
+        if getattr(cfg, field) < 1:
+            raise UserError(f"{name}.{field} must be positive, got {getattr(cfg, field)}")
+    if cfg.projection_dim < 0:
+        raise UserError(f"{name}.projection_dim must be >= 0 (0: raw features), got {cfg.projection_dim}")
     if cfg.pool_size and cfg.pool_size < cfg.d1_size + cfg.d2_size:
-        raise ValueError(f"pool_size {cfg.pool_size} < d1_size + d2_size = {cfg.d1_size + cfg.d2_size}")
+        raise UserError(f"{name}.pool_size={cfg.pool_size} is smaller than d1_size + d2_size; "
+                        "raise it or set it to 0 (fresh sentences every step)")
+    if cfg.start_step < 0:
+        raise UserError(f"{name}.start_step must be >= 0, got {cfg.start_step}")
 
 
 # ----------------------------------------------------------------------------------------------- the head
@@ -208,28 +225,29 @@ def head_loss(pred_MC, labels_M, loss: str, ce_scale: float = 1.0, chance_C=None
 # ----------------------------------------------------------------------------------------------- objective
 
 
-def probe_features(feature_fn: FeatureFn, params, tokens_BT, projection_dim: int = 0, projection_seed: int = 0):
-    """The probe's features float32[B, T*D] (or [B, projection_dim]) of `tokens`, differentiable in params."""
-    h_BTD = feature_fn(params, tokens_BT)
+def probe_features(apply_fn: ApplyFn, params, tokens_BT, projection_dim: int = 0, projection_seed: int = 0):
+    """The probe's features float32[B, T*D] (or [B, projection_dim]) of `tokens`, differentiable in params.
+
+    `apply_fn` is a Flax `model.apply` of a module with a `features(tokens) -> hidden[B, T, D]` method.
+    """
+    h_BTD = apply_fn({"params": params}, tokens_BT, method="features")
     x_BF = h_BTD.reshape(h_BTD.shape[0], -1)
     x_BF = x_BF.astype(jnp.promote_types(x_BF.dtype, jnp.float32))  # bf16 activations -> f32; f64 stays
     if not projection_dim:
         return x_BF
-    from flatlm.evaluate.probe import gaussian_projection  # the probe's own matrix; imported only when used
-
     with jax.ensure_compile_time_eval():  # a constant of the compiled step, drawn once at trace time
         proj_FP = gaussian_projection(x_BF.shape[1], projection_dim, projection_seed)
     return jnp.einsum("bf,fp->bp", x_BF, proj_FP.astype(x_BF.dtype), precision=_HIGHEST)
 
 
-def downstream_terms(cfg: AdversarialConfig, feature_fn: FeatureFn, params, batch: dict):
+def downstream_terms(cfg: AdversarialConfig, apply_fn: ApplyFn, params, batch: dict):
     """(D2 loss, D2 accuracy) of the closed-form head fitted on D1, differentiable in params.
 
     D1 and D2 go through the encoder in one call (one batch of d1 + d2 sentences).
     """
     n1 = batch["down1_tokens"].shape[0]
     tokens_KT = jnp.concatenate([batch["down1_tokens"], batch["down2_tokens"]])
-    x_KF = probe_features(feature_fn, params, tokens_KT, cfg.projection_dim, cfg.projection_seed)
+    x_KF = probe_features(apply_fn, params, tokens_KT, cfg.projection_dim, cfg.projection_seed)
     labels1_N = batch["down1_labels"]
     pred_MC = closed_form_predict(x_KF[:n1], labels1_N, x_KF[n1:], num_classes=cfg.num_classes, ridge=cfg.ridge,
                                   normalize=cfg.normalize)
@@ -238,15 +256,16 @@ def downstream_terms(cfg: AdversarialConfig, feature_fn: FeatureFn, params, batc
                      chance_C if cfg.cap_at_chance else None)
 
 
-def make_objective(cfg: AdversarialConfig, feature_fn: FeatureFn):
+def make_objective(cfg: AdversarialConfig):
     """objective(params, batch, apply_fn, dropout_key) -> (L_mlm - lam * l_D2, aux) for `train_step`.
 
     aux: train/mlm_loss, and (lam > 0 or monitor) train/adv_d2_loss, train/adv_d2_acc of the closed-form head.
     With lam == 0 the loss and its gradient are exactly those of `mlm_objective`. Dropout (the key) applies
-    to the MLM pass only: the downstream features are the probe's deterministic ones.
-    `feature_fn` is e.g. `flatlm.evaluate.probe.model_feature_fn(model)`.
+    to the MLM pass only: the downstream features are the probe's deterministic ones (`method="features"`).
     """
     validate(cfg)
+    if cfg.active and cfg.num_classes < 2:
+        raise ValueError(f"num_classes must be >= 2 (HMM: num_states), got {cfg.num_classes}")
 
     def objective(params, batch, apply_fn, dropout_key):
         mlm = mlm_loss(params, batch, apply_fn, dropout_key)
@@ -254,7 +273,7 @@ def make_objective(cfg: AdversarialConfig, feature_fn: FeatureFn):
         if cfg.lam == 0 and not cfg.monitor:
             return mlm, aux
         down_params = params if cfg.lam > 0 else jax.lax.stop_gradient(params)
-        d2_loss, d2_acc = downstream_terms(cfg, feature_fn, down_params, batch)
+        d2_loss, d2_acc = downstream_terms(cfg, apply_fn, down_params, batch)
         aux.update({"train/adv_d2_loss": d2_loss, "train/adv_d2_acc": d2_acc})
         loss = mlm - cfg.lam * d2_loss if cfg.lam > 0 else mlm
         return loss, aux

@@ -22,17 +22,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
+from flatlm import run as run_lib
 from flatlm import sharding
-from flatlm.data import builder as builder_lib
+from flatlm import train as train_lib
 from flatlm.data import pipeline
-from flatlm.evaluate.exact_loss import exact_loss
-from flatlm.languages import make_language
+from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
-from flatlm.models import make_model, model_config
+from flatlm.run import Run, build_run, initialize_distributed
+from flatlm.train import adversarial as adv
 from flatlm.train import optim
 from flatlm.train.step import mlm_objective, train_step
 
@@ -43,134 +45,61 @@ class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/inf; the last good checkpoint is left as it was."""
 
 
-@dataclasses.dataclass
-class Run:
-    """Everything built from a config that training and the evaluators share."""
+def validate(config, num_devices: int | None = None) -> None:
+    """Check a whole training config: what opening a run needs (`flatlm.run.validate`) and the train section."""
+    run_lib.validate(config, num_devices)
+    train_lib.validate_config(config)
 
-    config: object
-    workdir: str
-    language: object
-    model: nn.Module
-    mesh: jax.sharding.Mesh
-    rules: tuple
-    sources: dict
+
+@dataclasses.dataclass
+class TrainSetup:
+    """What training adds to a Run: the optimizer and the shardings of the state {"step", "params", "opt_state"}."""
+
+    optimizer: optax.GradientTransformation
     abstract_boxed: dict  # boxed abstract {"params", "opt_state"} with logical axis metadata
     state_shardings: dict
-    optimizer: object
-
-    @property
-    def num_words(self) -> int:
-        return self.language.vocab_size
 
     def abstract_state(self) -> dict:
-        shapes = nn.unbox(self.abstract_boxed)
-        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), **shapes}
+        """ShapeDtypeStructs of the whole train state, with their shardings (for restoring)."""
+        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), **nn.unbox(self.abstract_boxed)}
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
                             self.state_shardings)
 
-    def eval_batches(self, batch_size: int | None = None, limit: int | None = None):
-        bs = batch_size or self.config.eval.batch_size
-        return pipeline.eval_batches(self.sources["validation"], bs, limit,
-                                     jax.process_index(), jax.process_count())
 
-    def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0, masking: str = "single") -> list[dict]:
-        """Masked validation sentences in the MLM batch format (tokens/targets/weights), e.g. for flatness.
-
-        Deterministic in `seed`; batches are disjoint as long as the validation split is large enough.
-        """
-        from flatlm.data.masking import mask_batch
-
-        rng = np.random.default_rng(seed)
-        out = []
-        for batch in self.eval_batches(batch_size, limit=num_batches * batch_size):
-            out.append(mask_batch(batch["tokens"], batch["length"], self.num_words, rng, masking=masking,
-                                  mask_prob=self.config.data.mask_prob,
-                                  max_predictions=self.config.data.max_predictions))
-        return out
-
-    @property
-    def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending."""
-        return ckpt.all_steps(self.workdir)
-
-    def load_params(self, step: int):
-        return ckpt.restore_params(self.workdir, step, self.abstract_state())
+def _init_boxed(key, run: Run, optimizer):
+    tokens = jnp.zeros((2, run.language.max_length), jnp.int32)
+    params = run.model.init(key, tokens)["params"]
+    return {"params": params, "opt_state": optimizer.init(params)}
 
 
-def maybe_initialize_distributed(config) -> None:
-    if config.mesh.multihost and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+def train_setup(run: Run) -> TrainSetup:
+    """The optimizer of `run.config.train` and the train state's shardings over the run's mesh."""
+    optimizer = optim.optimizer(run.config.train)
+    with run.mesh, nn.logical_axis_rules(run.rules):
+        boxed = jax.eval_shape(functools.partial(_init_boxed, run=run, optimizer=optimizer),
+                               jax.random.key(run.config.seed))
+        shardings = {"step": sharding.replicated(run.mesh), **sharding.param_shardings(boxed, run.mesh, run.rules)}
+    return TrainSetup(optimizer, boxed, shardings)
 
 
-def data_dir(config, workdir: str) -> str:
-    return config.data.data_dir or os.path.join(workdir, "data")
-
-
-def prepare_data(config, workdir: str, quiet: bool = False) -> dict:
-    """Build the tfds corpus once (process 0, others wait) and open its splits."""
-    train_size = config.data.train_size if config.data.source == "tfds" else 0
-    kw = dict(language_spec=config.language.to_dict(), data_dir=data_dir(config, workdir),
-              train_size=train_size, eval_size=config.data.eval_size, seed=config.seed, quiet=quiet)
-    if jax.process_index() == 0:
-        builder = builder_lib.build(**kw)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("flatlm-data-built")
-    if jax.process_index() != 0:
-        builder = builder_lib.build(**kw)
-    return builder_lib.data_sources(builder)
-
-
-def build_run(config, workdir: str, quiet: bool = False) -> Run:
-    """Language, data, model, mesh, optimizer and the state's shardings for a config."""
-    config_lib.validate(config, jax.device_count())
-    language = make_language(config.language)
-    sources = prepare_data(config, workdir, quiet=quiet)
-    model = make_model(model_config(config.model, language.vocab_size, language.max_length + 1))
-    mesh = sharding.make_mesh(config)
-    rules = sharding.axis_rules(config.mesh.parallelism)
-    optimizer = optim.optimizer(config.train)
-
-    def init_boxed(key):
-        tokens = jnp.zeros((2, language.max_length), jnp.int32)
-        params = model.init(key, tokens)["params"]
-        return {"params": params, "opt_state": optimizer.init(params)}
-
-    with mesh, nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(init_boxed, jax.random.key(config.seed))
-        state_shardings = {"step": sharding.replicated(mesh),
-                           **sharding.param_shardings(abstract_boxed, mesh, rules)}
-    return Run(config, workdir, language, model, mesh, rules, sources, abstract_boxed, state_shardings, optimizer)
-
-
-def load_run(workdir: str, quiet: bool = True) -> Run:
-    """The Run of an existing workdir, from its config.json (for evaluators and the CLI)."""
-    config = config_lib.load_workdir_config(workdir)
-    return build_run(config, workdir, quiet=quiet)
-
-
-def init_state(run: Run) -> dict:
+def init_state(run: Run, setup: TrainSetup) -> dict:
     """Fresh state, created directly in its shardings."""
 
     def init(key):
-        tokens = jnp.zeros((2, run.language.max_length), jnp.int32)
-        params = run.model.init(key, tokens)["params"]
-        boxed = {"params": params, "opt_state": run.optimizer.init(params)}
-        return {"step": jnp.zeros((), jnp.int32), **nn.unbox(boxed)}
+        return {"step": jnp.zeros((), jnp.int32), **nn.unbox(_init_boxed(key, run, setup.optimizer))}
 
     with run.mesh, nn.logical_axis_rules(run.rules):
-        return jax.jit(init, out_shardings=run.state_shardings)(jax.random.key(run.config.seed))
+        return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(run.config.seed))
 
 
-def jit_train_step(run: Run, objective=mlm_objective):
+def jit_train_step(run: Run, setup: TrainSetup, objective=mlm_objective):
     """The train step jitted once: explicit shardings, donated state."""
     c = run.config
-    step_fn = functools.partial(train_step, apply_fn=run.model.apply, optimizer=run.optimizer, seed=c.seed,
+    step_fn = functools.partial(train_step, apply_fn=run.apply_fn, optimizer=setup.optimizer, seed=c.seed,
                                 objective=objective, dropout=(c.model.dropout > 0 or
                                                               getattr(c.model, "attention_dropout", 0) > 0))
-    return jax.jit(step_fn, in_shardings=(run.state_shardings, sharding.batch_sharding(run.mesh)),
-                   out_shardings=(run.state_shardings, sharding.replicated(run.mesh)), donate_argnums=0)
+    return jax.jit(step_fn, in_shardings=(setup.state_shardings, sharding.batch_sharding(run.mesh)),
+                   out_shardings=(setup.state_shardings, sharding.replicated(run.mesh)), donate_argnums=0)
 
 
 def adversarial_setup(run: Run, start: int):
@@ -184,34 +113,18 @@ def adversarial_setup(run: Run, start: int):
     a = c.train.adversarial
     if a.lam <= 0 and not a.monitor:
         return None, None
-    from flatlm.data import tasks as tasks_lib
-    from flatlm.evaluate.probe import model_feature_fn
-    from flatlm.evaluate.runner import load_task, task_names
-    from flatlm.train import adversarial as adv
-
-    task = a.task or task_names(c, run.language)[0]
-    tasks_lib.check_task(run.language, c.language.name, task)
-    cfg = adv.AdversarialConfig(
-        lam=a.lam, ridge=a.ridge, d1_size=a.d1_size, d2_size=a.d2_size, loss=a.loss, ce_scale=a.ce_scale,
-        cap_at_chance=a.cap_at_chance, projection_dim=a.projection_dim, projection_seed=a.projection_seed,
-        normalize=a.normalize, task=task, num_classes=tasks_lib.num_classes(run.language, c.language.name, task),
-        # HMM D1/D2 are sampled here with this label definition; PCFG ones come labelled from the task's split
-        label_definition=(c.eval.task_definition or "sampled") if c.language.name == "hmm" else "sampled",
-        pool_size=a.pool_size, seed=c.seed, monitor=a.monitor)
+    task = a.task or run.task_names()[0]
+    # HMM D1/D2 are sampled here with this label definition; PCFG ones come labelled from the task's split
+    definition = (c.eval.task_definition or "sampled") if c.language.name == "hmm" else "sampled"
+    cfg = adv.AdversarialConfig(**{**a, "task": task}, num_classes=run.num_classes(task),
+                                label_definition=definition, seed=c.seed)
     kw = dict(start=max(start, a.start_step), process_index=jax.process_index(), process_count=jax.process_count())
     if c.language.name == "hmm":
-        batches = adv.downstream_batches(run.language, int(task[1:]), a.d1_size, a.d2_size, c.seed,
-                                         definition=cfg.label_definition, pool_size=a.pool_size, **kw)
+        batches = adv.downstream_iterator(cfg, run.language, **kw)
     else:  # D1/D2 from the task's training split: the same data the probe is trained on
-        train = load_task(run, task, quiet=True)["train"]
+        train = run.load_task(task, quiet=True)["train"]
         batches = adv.pool_batches(train["tokens"], train["label"], a.d1_size, a.d2_size, c.seed, **kw)
-    return adv.make_objective(cfg, model_feature_fn(run.model)), batches
-
-
-def evaluate_exact_loss(run: Run, params, limit: int | None = None) -> dict:
-    bs = run.config.eval.batch_size
-    with run.mesh, nn.logical_axis_rules(run.rules):
-        return exact_loss(run.model, params, run.eval_batches(bs, limit), run.config.eval.num_subsets, pad_to=bs)
+    return adv.make_objective(cfg), batches
 
 
 class ConvergenceWatch:
@@ -230,6 +143,7 @@ class ConvergenceWatch:
         pinned.pin(*self.state["log_steps"])
 
     def update(self, step: int, kl: float) -> None:
+        """Record the exact KL of an eval at `step`; on convergence pin the log-spaced checkpoint steps."""
         s = self.state
         if not self.cfg.after_convergence or s["converged_at"] is not None:
             return
@@ -276,12 +190,13 @@ class _Preemption:
 
 def train_and_evaluate(config, workdir: str, progress: bool = True, objective=None) -> dict:
     """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval."""
-    maybe_initialize_distributed(config)
-    config_lib.validate(config, jax.device_count())
+    initialize_distributed(config)
+    validate(config, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir)
     run = build_run(config, workdir, quiet=not progress)
+    setup = train_setup(run)
     c = config
     pinned = ckpt.PinnedSteps(c.checkpoint.steps)
     convergence = ConvergenceWatch(c.checkpoint, c.train.steps, workdir, pinned)
@@ -291,15 +206,15 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
                                  process_count=jax.process_count())
     start = mngr.latest_step()
     if start is not None:
-        state = ckpt.restore(mngr, start, run.abstract_state(), it)
+        state = ckpt.restore(mngr, start, setup.abstract_state(), it)
         log.info("resumed from step %d", start)
     else:
         start = 0
-        state = init_state(run)
+        state = init_state(run, setup)
     adv_objective, down_batches = adversarial_setup(run, start)
-    step_fn = jit_train_step(run, objective or adv_objective or mlm_objective)
+    step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
-    plain_step_fn = jit_train_step(run, mlm_objective) if start < warm_until else None
+    plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
     kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
@@ -344,7 +259,7 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
                 pending = None
-                last_eval = {f"eval/{k}": v for k, v in evaluate_exact_loss(run, state["params"]).items()}
+                last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run, state["params"]).items()}
                 writer.write(step, last_eval)
                 if jax.process_index() == 0:
                     convergence.update(step, last_eval["eval/kl"])

@@ -36,6 +36,7 @@ def _decay_mask(params):
 
 
 def optimizer(train) -> optax.GradientTransformation:
+    """The config's optimizer: AdamW (BERT's decay mask) or SGD (+ momentum, decoupled decay), on the schedule."""
     lr = schedule(train)
     if train.optimizer == "adamw":
         opt = optax.adamw(lr, b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay,

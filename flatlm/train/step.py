@@ -7,13 +7,14 @@ from collections.abc import Callable
 import jax
 import optax
 
-from flatlm.train.losses import mlm_loss
+from flatlm.models.losses import mlm_loss
 
 # objective(params, batch, apply_fn, dropout_key) -> (loss, aux_metrics_dict)
 Objective = Callable[..., tuple[jax.Array, dict]]
 
 
 def mlm_objective(params, batch, apply_fn, dropout_key):
+    """The plain MLM objective for `train_step`: (mean masked cross-entropy in nats, no aux)."""
     return mlm_loss(params, batch, apply_fn, dropout_key), {}
 
 

@@ -1,18 +1,21 @@
-"""`flatlm theory dyck`: the numerical check of Theorem 6.1, as a table, a JSON object and a PNG of the training run.
-
-Registered by `flatlm.cli` through `add_parser(subparsers)`; all the work is in `flatlm.theory.dyck.run_check`.
-"""
+"""`flatlm theory dyck`: the numerical check of Theorem 6.1 (Section 6) as a table, a JSON object and a PNG of
+the training run. All the work is in `flatlm.theory.dyck.run_check`; the plot in `flatlm.theory.plot`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from typing import Any
 
+import jax
+from tqdm.auto import tqdm
+
+from flatlm.cli.common import add_output_flags
 from flatlm.errors import UserError
+from flatlm.table import json_ready, print_json, print_table
+from flatlm.theory import dyck
+from flatlm.theory.plot import plot_training
 
 PLOT_NAME = "dyck_training.png"
 RESULTS_NAME = "results.json"
@@ -56,8 +59,8 @@ def add_parser(subparsers) -> None:
                    help="rescale each random-feature neuron to its own Tr(H) minimum (same function)")
     d.add_argument("--float32", action="store_true", help="compute in float32 (default float64)")
     d.add_argument("--out", default="theory_dyck", help="directory for the PNG plot and results.json")
-    d.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
-    p.set_defaults(func=run)
+    add_output_flags(d, quiet=False)
+    p.set_defaults(func=run, overrides=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,11 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_dyck(args: argparse.Namespace) -> int:
-    import jax
-    from tqdm import tqdm
-
-    from flatlm.theory import dyck
-
     cfg = dyck.TrainConfig(lr=args.lr, batch_size=args.batch_size, penalty=args.penalty,
                            penalty_method=args.penalty_method, d_attn=args.d_attn,
                            log_every=max(1, min(100, args.steps // 20 or 1)))
@@ -95,14 +93,12 @@ def _run_dyck(args: argparse.Namespace) -> int:
         row["trace_hutchinson_str"] = f"{h['mean']:.4g} ± {h['stderr']:.2g}" if h else None
     os.makedirs(args.out, exist_ok=True)
     results["plot"] = plot_training(results, os.path.join(args.out, PLOT_NAME)) if results["training"] else None
-    results = _json_ready(results)
+    results = json_ready(results)
     with open(os.path.join(args.out, RESULTS_NAME), "w") as f:
         json.dump(results, f, indent=1)
     if args.json:
-        print(json.dumps(results))
+        print_json(results)
     else:
-        from flatlm.cli import print_table
-
         source = "exact enumeration" if results["enumerated"] else f"{results['samples']} Monte-Carlo samples"
         print(f"Dyck T={results['T']}, width m={results['m']}, {source}; downstream head fitted on "
               f"{results['n_downstream']} samples. Flattest possible Tr(H) = 4/(m sqrt T) = "
@@ -111,52 +107,3 @@ def _run_dyck(args: argparse.Namespace) -> int:
         print(f"wrote {os.path.join(args.out, RESULTS_NAME)}"
               + (f" and {results['plot']}" if results["plot"] else ""), file=sys.stderr)
     return 0
-
-
-def plot_training(results: dict[str, Any], path: str) -> str:
-    """2x2 panels over steps (pre-training loss, Tr(H), alignment with +-1_T, downstream loss); returns path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = list(results["training"].values())
-    exact = all(v is not None for run in runs for v in run["history"]["trace"])
-    trace_key, trace_title = ("trace", "Tr(H)") if exact else ("trace_gauss_newton", "Tr(H), Gauss-Newton part")
-    panels = [("pretrain_loss", "pre-training loss", True), (trace_key, trace_title, True),
-              ("alignment", "|cos(v_i, 1_T)| (weighted)", False), ("downstream_loss", "downstream loss", True)]
-    refs = {name: [r for r in results["solutions"] if r["solution"] == name]
-            for name in ("transferable", "random_features")}
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    for ax, (key, title, log) in zip(axes.flat, panels):
-        log = log and all(v > 0 for run in runs for v in run["history"][key])
-        for run in runs:
-            label = "SGD" if run["penalty"] == 0 else f"SGD + {run['penalty']:g} Tr(H)"
-            ax.plot(run["history"]["step"], run["history"][key], label=label)
-        for name, color, style in (("transferable", "k", "--"), ("random_features", "r", ":")):
-            vals = [r[key] for r in refs[name] if r.get(key) is not None]
-            mean = sum(vals) / len(vals) if vals else None
-            if mean is not None and (mean > 1e-12 or not log):  # exact zeros have no place on a log axis
-                ax.axhline(mean, color=color, linestyle=style, linewidth=1, label=name.replace("_", " "))
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if log:
-            ax.set_yscale("log")
-    axes.flat[1].legend(fontsize=8)
-    fig.suptitle(f"Dyck T={results['T']}, m={results['m']}: training from random init")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _json_ready(obj: Any) -> Any:
-    """Plain JSON types; NaN and infinities become None."""
-    if isinstance(obj, dict):
-        return {str(k): _json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_ready(v) for v in obj]
-    if hasattr(obj, "item") and not isinstance(obj, str | bytes):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj

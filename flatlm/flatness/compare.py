@@ -18,7 +18,7 @@ import numpy as np
 from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
 from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace
-from flatlm.train.losses import mlm_loss
+from flatlm.models.losses import mlm_loss
 
 METHODS = ("fisher", "hutchinson", "hutchpp", "exact", "empirical_fisher")
 

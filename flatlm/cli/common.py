@@ -1,0 +1,50 @@
+"""What every verb shares: the argument parser that fails in one line, config loading with `--config.x=y`
+overrides, and the one parser of checkpoint-step lists."""
+
+from __future__ import annotations
+
+import argparse
+
+from flatlm import config as config_lib
+from flatlm.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises a one-line UserError (exit 2, argparse's own convention) instead of a usage dump."""
+
+    def error(self, message):
+        """Raise instead of printing usage and exiting."""
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def add_output_flags(p: argparse.ArgumentParser, quiet: bool = True) -> None:
+    """`--json` (the results as one JSON object on stdout) and, with `quiet`, `--quiet` (no progress bars)."""
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")
+    if quiet:
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def load_config(spec: str, overrides: list[str], hint: str = "--config.train.steps=200"):
+    """The config `FILE.py[:ARG]` with absl-style `--config.a.b=value` overrides applied (type-checked)."""
+    bad = [a for a in overrides if not a.startswith("--config.")]
+    if bad:
+        raise UserError(f"unrecognised argument {bad[0]!r}; config overrides look like {hint}")
+    return config_lib.apply_overrides(config_lib.load_config(spec), overrides)
+
+
+def parse_steps(spec: str, available: list[int]) -> list[int]:
+    """`all` | `last` (or `latest`) | comma-separated steps -> checkpoint steps, each of which must exist."""
+    if not available:
+        raise UserError("the run has no checkpoints yet; train it first (flatlm train ...)")
+    if spec in ("all", ""):
+        return list(available)
+    if spec in ("last", "latest"):
+        return list(available[-1:])
+    try:
+        wanted = [int(s) for s in spec.split(",") if s]
+    except ValueError:
+        raise UserError(f"--steps {spec!r} is not all, last or a comma-separated list of steps") from None
+    missing = [s for s in wanted if s not in available]
+    if missing:
+        raise UserError(f"no checkpoint at step(s) {missing}; available: {available}")
+    return wanted

@@ -1,0 +1,43 @@
+"""`flatlm evaluate --workdir DIR`: exact loss, linear probe and fine-tuning of a run's checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+from flatlm import checkpoint as ckpt
+from flatlm.cli.common import add_output_flags, parse_steps
+from flatlm.config import load_workdir_config
+from flatlm.evaluate.runner import evaluate_run, table_rows
+from flatlm.table import print_json, print_table
+
+
+def add_parser(sub) -> None:
+    """Register `evaluate`."""
+    p = sub.add_parser("evaluate", help="exact loss, linear probe and fine-tuning of a run's checkpoints")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--steps", default="all", help="all | last | comma-separated steps")
+    p.add_argument("--task", action="append", default=[], help="a downstream task (repeatable); default: config's")
+    p.add_argument("--no-probe", action="store_true")
+    p.add_argument("--no-finetune", action="store_true")
+    p.add_argument("--no-lookup", action="store_true")
+    add_output_flags(p)
+    p.set_defaults(func=run, overrides=False)
+
+
+def run(args) -> int:
+    """Evaluate, append to results.json, print one row per checkpoint."""
+    load_workdir_config(args.workdir)  # one line if DIR is not a run
+    steps = parse_steps(args.steps, ckpt.all_steps(args.workdir))
+    entries = evaluate_run(args.workdir, steps, tuple(args.task), probe=not args.no_probe,
+                           finetune_=False if args.no_finetune else None, lookup=False if args.no_lookup else None,
+                           progress=not args.quiet)
+    rows = table_rows(entries)
+    if args.json:
+        print_json({"workdir": args.workdir, "rows": rows,
+                    "entries": [{k: v for k, v in e.items() if k != "detail"} for e in entries]})
+        return 0
+    cols = [("step", "step", "")] + [(k, k, ".4f") for k in ("loss", "entropy", "kl")]
+    extra = sorted({k for r in rows for k in r if ":" in k})
+    print_table(rows, cols + [(k, k + " %", "s") for k in extra])
+    print(f"appended {len(entries)} results to {os.path.join(args.workdir, 'results.json')}")
+    return 0

@@ -1,0 +1,35 @@
+"""`flatlm experiment --config configs/experiments/NAME.py[:PRESET] --workdir DIR`: a whole paper experiment."""
+
+from __future__ import annotations
+
+from flatlm import config as config_lib
+from flatlm.cli.common import add_output_flags
+from flatlm.errors import UserError
+from flatlm.experiment import load_experiment, run_experiment
+from flatlm.table import print_json, print_table
+
+
+def add_parser(sub) -> None:
+    """Register `experiment`."""
+    p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably")
+    p.add_argument("--config", required=True, help="configs/experiments/NAME.py[:PRESET]")
+    p.add_argument("--workdir", required=True)
+    add_output_flags(p)
+    p.set_defaults(func=run, overrides=True)
+
+
+def run(args) -> int:
+    """Run (or resume) every run of the experiment; print each run's status."""
+    exp = load_experiment(args.config)
+    bad = [a for a in args.overrides if not a.startswith("--config.")]
+    if bad:
+        raise UserError(f"unrecognised argument {bad[0]!r}; overrides look like --config.base.train.steps=200")
+    config_lib.apply_overrides(exp, args.overrides)
+    status = run_experiment(exp, args.workdir, progress=not args.quiet)
+    if args.json:
+        print_json({"workdir": args.workdir, "runs": status})
+    else:
+        print_table([{"run": k, "status": v} for k, v in status.items()], [("run", "run", "s"),
+                                                                         ("status", "status", "s")])
+        print(f"report: flatlm report {args.workdir}")
+    return 0

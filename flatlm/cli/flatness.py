@@ -1,0 +1,50 @@
+"""`flatlm flatness --workdir DIR`: Tr(H) of a run's checkpoints by one estimator, or the Hessian/Fisher gap."""
+
+from __future__ import annotations
+
+from flatlm.cli.common import add_output_flags, parse_steps
+from flatlm.flatness.compare import METHODS
+from flatlm.flatness.runner import measure_run
+from flatlm.run import load_run
+from flatlm.table import print_json, print_table
+
+
+def add_parser(sub) -> None:
+    """Register `flatness`."""
+    p = sub.add_parser("flatness", help="trace of the Hessian / Fisher of a run's checkpoints")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--method", choices=METHODS, default="fisher")
+    p.add_argument("--steps", default="last", help="'last', 'all' or comma-separated checkpoint steps")
+    p.add_argument("--gap", action="store_true", help="Hessian vs Fisher vs empirical Fisher report instead")
+    p.add_argument("--num-probes", type=int, default=100, help="Hutchinson probes per batch / Hutch++ matvecs")
+    p.add_argument("--num-draws", type=int, default=50, help="labels drawn per context (Fisher)")
+    p.add_argument("--fisher-form", choices=("per_sample", "summed"), default="per_sample")
+    p.add_argument("--num-batches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=1, help="probes vmapped at once")
+    p.add_argument("--groups", choices=("top", "leaf"), default="top")
+    p.add_argument("--seed", type=int, default=0)
+    add_output_flags(p)
+    p.set_defaults(func=run, overrides=False)
+
+
+def run(args) -> int:
+    """Measure (appending to results.json unless --gap) and print one row per checkpoint."""
+    run_ = load_run(args.workdir)
+    entries = measure_run(run_, parse_steps(args.steps, run_.steps), args.method, num_probes=args.num_probes,
+                          num_batches=args.num_batches, batch_size=args.batch_size, draws=args.num_draws,
+                          seed=args.seed, fisher_form=args.fisher_form, chunk_size=args.chunk_size,
+                          groups=args.groups, gap=args.gap, progress=not args.quiet)
+    rows = [{"step": e["step"], **{k: v for k, v in e.items() if k != "kind"}} if args.gap else
+            {"step": e["step"], **e["detail"]} for e in entries]
+    if args.json:
+        print_json({"workdir": args.workdir, "method": "gap" if args.gap else args.method, "results": rows})
+    elif args.gap:
+        print_table([{"step": r["step"], "loss": r["loss"], "tr_hessian": r["hessian"]["mean"],
+                      "se_h": r["hessian"]["stderr"], "tr_fisher": r["fisher"]["mean"], "se_f": r["fisher"]["stderr"],
+                      "tr_emp_fisher": r["empirical_fisher"]["mean"], "h_minus_f_z": r["hessian_minus_fisher_z"]}
+                     for r in rows], ["step", "loss", "tr_hessian", "se_h", "tr_fisher", "se_f", "tr_emp_fisher",
+                                      "h_minus_f_z"])
+    else:
+        print_table(rows, ["step", "method", "mean", "stderr", "probe_stderr", "data_std", "num_samples"])
+    return 0

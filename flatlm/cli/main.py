@@ -1,0 +1,46 @@
+"""`flatlm VERB ...`: builds the parser from the verb modules and turns errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
+
+from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, theory, train  # noqa: E402
+from flatlm.cli.common import Parser  # noqa: E402
+from flatlm.errors import UserError  # noqa: E402
+from flatlm.train.loop import NonFiniteLoss  # noqa: E402
+
+VERBS = (train, data, demo, evaluate, flatness, grow, experiment, report, theory)  # each has add_parser(sub)
+
+
+def build_parser() -> Parser:
+    """The `flatlm` parser with one sub-command per verb module; each sets `func(args)` and `overrides`."""
+    p = Parser(prog="flatlm", description="Same pre-training loss, better downstream: flatlm's command line.")
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    for verb in VERBS:
+        verb.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one verb; exit code 0, 1 (training diverged), 2 (user error) or 130 (interrupted)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra and not args.overrides:
+            raise UserError(f"unrecognised argument {extra[0]!r} (see `flatlm {args.verb} --help`)")
+        args.overrides = extra
+        return args.func(args)
+    except UserError as e:
+        print(f"flatlm: error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLoss as e:
+        print(f"flatlm: training stopped: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("flatlm: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,28 @@
+"""`flatlm train --config FILE[:PRESET] --workdir DIR [--config.x=y ...]`: pre-train, resuming from the workdir."""
+
+from __future__ import annotations
+
+from flatlm.cli.common import add_output_flags, load_config
+from flatlm.table import print_json
+from flatlm.train.loop import train_and_evaluate
+
+
+def add_parser(sub) -> None:
+    """Register `train`."""
+    p = sub.add_parser("train", help="pre-train a model from a config (resumes from the workdir)")
+    p.add_argument("--config", required=True, help="configs/FILE.py[:PRESET]")
+    p.add_argument("--workdir", required=True)
+    add_output_flags(p)
+    p.set_defaults(func=run, overrides=True)
+
+
+def run(args) -> int:
+    """Train; print the final exact-loss evaluation."""
+    config = load_config(args.config, args.overrides)
+    result = train_and_evaluate(config, args.workdir, progress=not args.quiet)
+    if args.json:
+        print_json({"workdir": args.workdir, **result})
+    else:
+        print(f"done: {args.workdir}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.items()
+                                                    if isinstance(v, float)))
+    return 0
