@@ -21,8 +21,7 @@ import time
 import jax
 import numpy as np
 
-from flatlm.languages.opt import OPTLanguage
-from flatlm.models.opt import OPTConfig, random_params
+from flatlm.languages.opt import OPTConfig, OPTLanguage, random_params
 
 
 def main() -> None:

@@ -15,9 +15,18 @@ import pytest
 import scipy.stats
 
 from flatlm.errors import UserError
-from flatlm.languages.opt import OPTLanguage, model_unigram, top_k_token_ids
-from flatlm.models import opt
-from flatlm.models.opt import OPT, OPTConfig, append_cache, init_cache, random_params
+from flatlm.languages.opt import (
+    OPT,
+    OPTConfig,
+    OPTLanguage,
+    append_cache,
+    init_cache,
+    load_hf_checkpoint,
+    model_unigram,
+    num_params,
+    random_params,
+    top_k_token_ids,
+)
 
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 PRE_LN = OPTConfig.named("tiny")
@@ -44,7 +53,7 @@ def test_logits_match_hugging_face(tmp_path, layout, fmt):
     else:  # the hub's OPT .bin files hold an OPTModel state dict ("decoder.*", no "model." prefix, no lm_head)
         hf.config.save_pretrained(tmp_path)
         torch.save(hf.model.state_dict(), tmp_path / "pytorch_model.bin")
-    loaded_cfg, params = opt.load_hf_checkpoint(str(tmp_path))
+    loaded_cfg, params = load_hf_checkpoint(str(tmp_path))
     assert loaded_cfg == cfg
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 11))
     with torch.no_grad():
@@ -59,9 +68,9 @@ def test_bin_checkpoint_without_torch_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     with pytest.raises(UserError, match="needs torch"):
-        opt.load_hf_checkpoint(str(tmp_path))
+        load_hf_checkpoint(str(tmp_path))
     with pytest.raises(UserError, match="no config.json"):
-        opt.load_hf_checkpoint(str(tmp_path / "missing"))
+        load_hf_checkpoint(str(tmp_path / "missing"))
 
 
 def test_named_shapes_have_the_released_parameter_counts():
@@ -69,7 +78,7 @@ def test_named_shapes_have_the_released_parameter_counts():
     for name, count in counts.items():
         cfg = OPTConfig.named(name)
         shapes = jax.eval_shape(lambda cfg=cfg: OPT(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-        assert opt.num_params(nn.unbox(shapes["params"])) == count
+        assert num_params(nn.unbox(shapes["params"])) == count
     assert OPTConfig.named("350m").has_projection and not OPTConfig.named("350m").has_final_ln
 
 

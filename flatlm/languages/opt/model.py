@@ -1,12 +1,14 @@
-"""OPT decoder (Zhang et al. 2022) in Flax Linen, with a KV cache and a converter from Hugging Face checkpoints.
+"""OPT decoder (Zhang et al. 2022) in Flax Linen with a KV cache: the teacher that generates the OPT language.
 
-Inference only (no dropout): flatlm uses OPT as a fixed generative language, never trains it.
+Inference only (no dropout): flatlm uses OPT as a fixed generative language, never trains it (the paper's OPT
+data: OPT-125M samples 24-token sentences over its top-2000 tokens, Sections 3.2 and A.1). Hugging Face
+checkpoints load through `hf.py`.
 The function is Hugging Face's `OPTForCausalLM`: learned positions with OPT's offset of 2 (position p reads row
 p + 2), pre-LN layers when `do_layer_norm_before` (125M) else post-LN (350M), ReLU FFN, a final LayerNorm in pre-LN
 models, optional `project_in/out` when `word_embed_proj_dim != hidden_size` (350M), and a head tied to the token
 embeddings (no bias).
 
-Parameter tree (plain nested dict after `nn.unbox`; names and layouts mirror `flatlm.models.bert`):
+Parameter tree (plain nested dict after `nn.unbox`; names and layouts mirror the learners' Bert):
   embed_tokens[Vopt, Dw], embed_positions[P + 2, D], project_in[Dw, D], project_out[D, Dw] (only when Dw != D),
   layer_{i}/{attn_ln/norm/{scale, bias}, attn/{qkv[D, 3, H, Dh], qkv_bias[3, H, Dh], out[H, Dh, D], out_bias[D]},
              mlp_ln/norm/{scale, bias}, mlp/{wi[D, F], bi[F], wo[F, D], bo[D]}},
@@ -24,9 +26,7 @@ independent continuations into one row (`segments_S`, each segment seeing its ow
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import typing
 
 import flax.linen as nn
@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.errors import UserError
-from flatlm.models.bert import LayerNorm
 
 POSITION_OFFSET = 2  # OPT's learned positions are stored from row 2 (a fairseq padding_idx artefact)
 
@@ -69,14 +68,17 @@ class OPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head (Dh)."""
         return self.hidden_size // self.num_heads
 
     @property
     def has_projection(self) -> bool:
+        """Whether embeddings are projected in/out of the residual stream (350M: Dw 512 != D 1024)."""
         return self.embed_dim != self.hidden_size
 
     @property
     def has_final_ln(self) -> bool:
+        """Whether a LayerNorm precedes the head (pre-LN models that keep it)."""
         return self.do_layer_norm_before and not self.remove_final_layer_norm
 
     @classmethod
@@ -237,6 +239,8 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
+    """The feed-forward block: x[B, S, D] -> act(x @ wi + bi) @ wo + bo."""
+
     cfg: OPTConfig
 
     @nn.compact
@@ -255,14 +259,28 @@ class Mlp(nn.Module):
         return nn.with_logical_constraint(y_BSD, ("batch", "length", "embed"))
 
 
+class LayerNorm(nn.Module):
+    """HF's affine LayerNorm over the "embed" axis; parameters `norm/{scale, bias}` (the layout of Bert's)."""
+
+    cfg: OPTConfig
+
+    @nn.compact
+    def __call__(self, x_BSD):
+        c = self.cfg
+        ones = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
+        return nn.LayerNorm(epsilon=c.ln_eps, dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
+                            scale_init=ones, bias_init=_zeros(("embed",)), name="norm")(x_BSD)
+
+
 class Layer(nn.Module):
+    """One decoder layer (pre- or post-LN); returns the new stream and this layer's keys/values [B, S, H, Dh]."""
+
     cfg: OPTConfig
 
     @nn.compact
     def __call__(self, x_BSD, self_mask_SS, cache_k=None, cache_v=None, cache_mask_SM=None):
         c = self.cfg
-        ln = lambda name: LayerNorm(c.ln_eps, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), name=name)
-        attn_ln, mlp_ln = ln("attn_ln"), ln("mlp_ln")
+        attn_ln, mlp_ln = LayerNorm(c, name="attn_ln"), LayerNorm(c, name="mlp_ln")
         pre = c.do_layer_norm_before
         a_BSD, k_BSHd, v_BSHd = Attention(c, name="attn")(attn_ln(x_BSD) if pre else x_BSD, self_mask_SS, cache_k,
                                                           cache_v, cache_mask_SM)
@@ -290,7 +308,7 @@ class OPT(nn.Module):
             self.project_in = self.param("project_in", _init((None, "embed")), (c.embed_dim, c.hidden_size), pdt)
             self.project_out = self.param("project_out", _init(("embed", None)), (c.hidden_size, c.embed_dim), pdt)
         if c.has_final_ln:
-            self.final_ln = LayerNorm(c.ln_eps, jnp.dtype(c.dtype), pdt, name="final_ln")
+            self.final_ln = LayerNorm(c, name="final_ln")
         self.layers = [Layer(c, name=f"layer_{i}") for i in range(c.num_layers)]
 
     def decode(self, tokens_BS, positions_BS=None, cache: KVCache | None = None, head_ids=None,
@@ -368,120 +386,6 @@ def random_params(cfg: OPTConfig, seed: int = 0, std: float = 0.02) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Hugging Face checkpoints
-
-
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Tensors of a .safetensors file as numpy arrays (bf16 via ml_dtypes, which numpy lacks).
-
-    The format is an 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, then the
-    raw bytes; read directly so neither torch nor bf16 support in `safetensors.numpy` is needed.
-    """
-    import ml_dtypes  # a JAX dependency
-
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise UserError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-        lo, hi = info["data_offsets"]
-        out[name] = np.frombuffer(data[lo:hi], dtype=np_dtype).reshape(info["shape"]).copy()
-    return out
-
-
-def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
-    try:
-        import torch
-    except ImportError as e:
-        raise UserError(f"{path} is a PyTorch checkpoint and reading it needs torch (pip install 'flatlm[hf]'); "
-                        "or save the checkpoint as safetensors, which flatlm reads without torch") from e
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return {k: v.detach().float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
-
-
-def read_hf_state(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a local HF checkpoint directory: model.safetensors (preferred) or pytorch_model.bin, sharded
-    (`*.index.json`) or not."""
-    for single, index, reader in [("model.safetensors", "model.safetensors.index.json", read_safetensors),
-                                  ("pytorch_model.bin", "pytorch_model.bin.index.json", _read_torch_bin)]:
-        if os.path.exists(os.path.join(path, single)):
-            return reader(os.path.join(path, single))
-        if os.path.exists(os.path.join(path, index)):
-            with open(os.path.join(path, index)) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            state = {}
-            for name in files:
-                state.update(reader(os.path.join(path, name)))
-            return state
-    raise UserError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")
-
-
-def convert_hf_state(state: dict[str, np.ndarray], cfg: OPTConfig) -> dict:
-    """Map HF `OPTForCausalLM` / `OPTModel` tensor names onto this module's parameter tree (float32 numpy)."""
-    pdt = np.dtype(cfg.param_dtype)
-    sd = {}
-    for k, v in state.items():
-        for prefix in ("model.", ""):
-            if k.startswith(prefix + "decoder."):
-                sd[k[len(prefix + "decoder."):]] = np.asarray(v, np.float32)
-        if k == "lm_head.weight":
-            sd["lm_head"] = np.asarray(v, np.float32)
-    used = set()
-
-    def get(name):
-        if name not in sd:
-            raise UserError(f"checkpoint lacks decoder.{name}")
-        used.add(name)
-        return sd[name]
-
-    H, Dh, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    ln = lambda name: {"norm": {"scale": get(f"{name}.weight"), "bias": get(f"{name}.bias")}}
-    params = {"embed_tokens": get("embed_tokens.weight"), "embed_positions": get("embed_positions.weight")}
-    if cfg.has_projection:
-        params["project_in"] = get("project_in.weight").T  # torch Linear stores [out, in]
-        params["project_out"] = get("project_out.weight").T
-    if cfg.has_final_ln:
-        params["final_ln"] = ln("final_layer_norm")
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        qkv = np.stack([get(p + f"self_attn.{n}_proj.weight").T.reshape(D, H, Dh) for n in "qkv"], axis=1)
-        attn = {"qkv": qkv, "out": get(p + "self_attn.out_proj.weight").T.reshape(H, Dh, D)}
-        mlp = {"wi": get(p + "fc1.weight").T, "wo": get(p + "fc2.weight").T}
-        if cfg.enable_bias:
-            attn["qkv_bias"] = np.stack([get(p + f"self_attn.{n}_proj.bias").reshape(H, Dh) for n in "qkv"])
-            attn["out_bias"] = get(p + "self_attn.out_proj.bias")
-            mlp["bi"], mlp["bo"] = get(p + "fc1.bias"), get(p + "fc2.bias")
-        params[f"layer_{i}"] = {"attn_ln": ln(p + "self_attn_layer_norm"), "attn": attn,
-                                "mlp_ln": ln(p + "final_layer_norm"), "mlp": mlp}
-    if "lm_head" in sd and not np.array_equal(sd["lm_head"], params["embed_tokens"]):
-        raise UserError("checkpoint's lm_head differs from embed_tokens; flatlm's OPT ties them")
-    extra = set(sd) - used - {"lm_head"}
-    if extra:
-        raise UserError(f"unexpected tensors in checkpoint: {', '.join(sorted(extra)[:5])}")
-    return jax.tree.map(lambda x: np.ascontiguousarray(x, pdt), params)
-
-
-def load_hf_checkpoint(path: str) -> tuple[OPTConfig, dict]:
-    """(OPTConfig, params) from a local HF OPT directory (config.json + safetensors or .bin); never downloads."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise UserError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
-    with open(cfg_path) as f:
-        cfg = OPTConfig.from_hf(json.load(f))
-    return cfg, convert_hf_state(read_hf_state(path), cfg)
-
-
 def num_params(params) -> int:
+    """Number of scalars in a parameter tree (HF counts: 125M -> 125,239,296)."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

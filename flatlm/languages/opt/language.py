@@ -30,7 +30,8 @@ import numpy as np
 
 from flatlm.errors import UserError
 from flatlm.languages.base import Corpus, special_ids
-from flatlm.models.opt import OPT, KVCache, OPTConfig, append_cache, init_cache, load_hf_checkpoint, random_params
+from flatlm.languages.opt.hf import load_hf_checkpoint
+from flatlm.languages.opt.model import OPT, KVCache, OPTConfig, append_cache, init_cache, random_params
 
 DEFAULT_K = 2000
 DEFAULT_LENGTH = 24
@@ -137,7 +138,7 @@ class OPTLanguage:
 
     @classmethod
     def from_checkpoint(cls, path: str, k: int = DEFAULT_K, length: int = DEFAULT_LENGTH, **kw) -> OPTLanguage:
-        """From a local Hugging Face OPT directory (see `flatlm.models.opt.load_hf_checkpoint`)."""
+        """From a local Hugging Face OPT directory (see `flatlm.languages.opt.hf.load_hf_checkpoint`)."""
         cfg, params = load_hf_checkpoint(path)
         return cls.from_model(cfg, jax.tree.map(jnp.asarray, params), k, length, **kw)
 
