@@ -25,6 +25,7 @@ from flatlm.languages.opt import OPTConfig, OPTLanguage, random_params
 
 
 def main() -> None:
+    """Time exact conditionals per sentence with and without the prefix cache; print them (or one JSON object)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--K", type=int, default=32, help="restricted vocabulary size (paper: 2000)")
     parser.add_argument("--T", type=int, default=24, help="sentence length (paper: 24)")

@@ -24,19 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.evaluate import probe
+from flatlm.evaluate import features, probe
 from flatlm.models import Bert, BertConfig
 
 PAPER_EPOCHS = probe.ProbeConfig().epochs
 
 
-def time_feature_pass(feature_fn, params, tokens_NT, batch_size: int, projection_dim: int | None):
+def time_feature_pass(apply_fn, params, tokens_NT, batch_size: int, projection_dim: int):
     """Seconds of one full extraction pass (compiled beforehand), and the features."""
-    probe.extract_features(feature_fn, params, tokens_NT[:batch_size], batch_size=batch_size,
-                           projection_dim=projection_dim, progress=False)  # compile
+    features.extract_features(apply_fn, params, tokens_NT[:batch_size], batch_size=batch_size,
+                              projection_dim=projection_dim, progress=False)  # compile
     t0 = time.perf_counter()
-    x_NF = probe.extract_features(feature_fn, params, tokens_NT, batch_size=batch_size,
-                                  projection_dim=projection_dim, progress=False)
+    x_NF = features.extract_features(apply_fn, params, tokens_NT, batch_size=batch_size,
+                                     projection_dim=projection_dim, progress=False)
     return time.perf_counter() - t0, x_NF
 
 
@@ -58,6 +58,7 @@ def time_probe(x_NF, y_N, cfg: probe.ProbeConfig, num_classes: int):
 
 
 def main(argv=None) -> int:
+    """Time one feature pass and the 5-seed probe per projection; print the table (or one JSON object)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=100_000)
     ap.add_argument("--length", type=int, default=16)
@@ -78,18 +79,17 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     tokens_NT = rng.integers(0, V, (args.examples, T)).astype(np.int32)
     y_N = (tokens_NT[:, T // 2] % args.classes).astype(np.int32)  # a word's class: learnable, not trivial
-    fn = probe.model_feature_fn(model)
 
     rows = []
     for spec in args.projections.split(","):
-        proj = None if spec == "none" else int(spec)
-        t_pass, x_NF = time_feature_pass(fn, params, tokens_NT, args.extract_batch, proj)
+        proj = 0 if spec == "none" else int(spec)
+        t_pass, x_NF = time_feature_pass(model.apply, params, tokens_NT, args.extract_batch, proj)
         cfg = probe.ProbeConfig(epochs=args.epochs, num_seeds=args.seeds, batch_size=args.batch_size)
         first, per_epoch, full, acc = time_probe(x_NF, y_N, cfg, args.classes)
         compile_s = max(first - per_epoch, 0.0)
         paper = compile_s + PAPER_EPOCHS * per_epoch
         rows.append({
-            "features": "T*D" if proj is None else f"proj {proj}", "feature_dim": int(x_NF.shape[1]),
+            "features": f"proj {proj}" if proj else "T*D", "feature_dim": int(x_NF.shape[1]),
             "pass_s": t_pass, "probe_compile_s": compile_s, "probe_epoch_s": per_epoch, "probe_full_s": full,
             "epochs": args.epochs, "epoch_ratio": per_epoch / t_pass, "full_ratio": full / t_pass,
             "paper_epochs_ratio": paper / t_pass, "train_accuracy": acc,

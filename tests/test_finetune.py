@@ -35,8 +35,9 @@ def test_finetune_moves_the_encoder():
     before = jax.tree.map(np.array, params)
     tok, y = _data(320)
     tokens, labels = {"train": tok[:256], "test": tok[256:]}, {"train": y[:256], "test": y[256:]}
-    cfg = ft.FinetuneConfig(epochs=12, batch_size=32, warmup_steps=10, learning_rate=1e-3, num_seeds=2)
-    out, tuned = ft.finetune(model, params, tokens, labels, cfg, return_params=True, progress=False)
+    cfg = ft.FinetuneConfig(epochs=12, batch_size=32, warmup_steps=10, lr=1e-3, num_seeds=2)
+    out, tuned = ft.finetune(model.apply, params, tokens, labels, cfg, num_words=V, max_len=T + 1, return_params=True,
+                             progress=False)
     json.dumps(out)
     assert len(tuned) == 2 and tuned[0]["head"]["w"].shape == (32, 3)
     assert out["accuracy"]["train"]["mean"] > 0.9  # chance is 1/3
@@ -59,13 +60,15 @@ def test_finetune_needs_room_for_cls():
     model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=1))
     tok, y = _data(16)
     with pytest.raises(UserError, match=r"max_len >= 9"):
-        ft.finetune(model, None, {"train": tok}, {"train": y}, ft.FinetuneConfig(epochs=1), progress=False)
+        ft.finetune(model.apply, None, {"train": tok}, {"train": y}, ft.FinetuneConfig(epochs=1), num_words=V,
+                    max_len=T, progress=False)
 
 
 @pytest.mark.slow
 def test_finetune_bilstm():
     model = BiLSTM(LSTMConfig(num_words=V, max_len=T + 1, d_hidden=16, num_layers=1))
     tok, y = _data(96)
-    out = ft.finetune(model, _init(model, T + 1), {"train": tok}, {"train": y},
-                      ft.FinetuneConfig(epochs=2, batch_size=32, num_seeds=1), progress=False)
+    out = ft.finetune(model.apply, _init(model, T + 1), {"train": tok}, {"train": y},
+                      ft.FinetuneConfig(epochs=2, batch_size=32, num_seeds=1), num_words=V, max_len=T + 1,
+                      progress=False)
     assert 0.0 <= out["accuracy"]["train"]["mean"] <= 1.0 and "encoder/head/kernel" in out["frozen"]

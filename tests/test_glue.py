@@ -98,8 +98,8 @@ def test_downstream_data_trains_a_linear_probe(glue_dir, tmp_path):
     assert splits["train"].tokens.shape == (60, T) and splits["train"].oov_rate > 0
     features = {s: np.eye(K + 1, dtype=np.float32)[d.tokens].reshape(len(d), -1) for s, d in splits.items()}
     labels = {s: d.labels for s, d in splits.items()}
-    result = run_probe(features, labels, ProbeConfig(learning_rate=1e-2, epochs=40, batch_size=16,
-                                                               warmup_steps=0, num_seeds=1),
+    result = run_probe(features, labels, ProbeConfig(lr=1e-2, epochs=40, batch_size=16,
+                                                    warmup_steps=0, num_seeds=1),
                        progress=False)
     assert result["accuracy"]["train"]["mean"] == 1.0
     assert result["accuracy"]["validation"]["mean"] >= 0.9

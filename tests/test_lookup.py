@@ -12,7 +12,7 @@ hmm = pytest.importorskip("flatlm.languages.hmm")
 
 K_POS = 3  # task-k: the hidden state at position 3 of 8
 # lr 1e-2 and batch 128: on 4096 sentences the paper's lr 1e-3 under-fits within a test's budget
-CFG = ProbeConfig(epochs=60, batch_size=128, learning_rate=1e-2, num_seeds=2)
+CFG = ProbeConfig(epochs=60, batch_size=128, lr=1e-2, num_seeds=2)
 
 
 def _task(language, n_train=4096, n_test=2048, seed=1):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flatlm.evaluate import probe
+from flatlm.evaluate import cache, features, probe
 from flatlm.evaluate.probe import ProbeConfig
 from flatlm.models import Bert, BertConfig
 
@@ -48,10 +48,10 @@ def test_probe_is_at_chance_on_random_labels():
 
 
 def test_gaussian_projection_is_deterministic_per_seed():
-    a = probe.gaussian_projection(64, 16, seed=3)
-    np.testing.assert_array_equal(a, probe.gaussian_projection(64, 16, seed=3))
+    a = features.gaussian_projection(64, 16, seed=3)
+    np.testing.assert_array_equal(a, features.gaussian_projection(64, 16, seed=3))
     assert a.shape == (64, 16)
-    assert not np.allclose(a, probe.gaussian_projection(64, 16, seed=4))
+    assert not np.allclose(a, features.gaussian_projection(64, 16, seed=4))
     assert abs(float(jnp.mean(jnp.sum(a * a, axis=1))) - 1.0) < 0.3  # rows have unit norm on average
 
 
@@ -87,31 +87,29 @@ def tiny_bert():
 def test_extract_features_concatenates_all_positions(tiny_bert):
     model, params, T = tiny_bert
     tokens_NT = np.random.default_rng(0).integers(0, 10, (11, T)).astype(np.int32)
-    fn = probe.model_feature_fn(model)
-    x_NF = probe.extract_features(fn, params, tokens_NT, batch_size=4, progress=False)  # 11 = 4 + 4 + 3
+    x_NF = features.extract_features(model.apply, params, tokens_NT, batch_size=4, progress=False)  # 11 = 4 + 4 + 3
     h_NTD = jax.jit(model.apply, static_argnames="method")({"params": params}, tokens_NT, method="features")
     np.testing.assert_allclose(x_NF, np.asarray(h_NTD).reshape(11, T * 16), rtol=1e-5, atol=1e-5)
-    x_NP = probe.extract_features(fn, params, tokens_NT, batch_size=4, projection_dim=8, projection_seed=1,
-                                  progress=False)
-    np.testing.assert_allclose(x_NP, x_NF @ np.asarray(probe.gaussian_projection(T * 16, 8, 1)),
+    x_NP = features.extract_features(model.apply, params, tokens_NT, batch_size=4, projection_dim=8,
+                                     projection_seed=1, progress=False)
+    np.testing.assert_allclose(x_NP, x_NF @ np.asarray(features.gaussian_projection(T * 16, 8, 1)),
                                rtol=1e-4, atol=1e-4)
 
 
 def test_cached_features_roundtrip(tiny_bert, tmp_path, monkeypatch):
     model, params, T = tiny_bert
     tokens_NT = np.random.default_rng(1).integers(0, 10, (9, T)).astype(np.int32)
-    fn = probe.model_feature_fn(model)
     kw = dict(step=100, split="val", batch_size=4, projection_dim=8, progress=False)
-    first = probe.cached_features(str(tmp_path), fn, params, tokens_NT, **kw)
-    path = probe.feature_cache_path(str(tmp_path), 100, "val", 8, 0)
+    first = cache.cached_features(str(tmp_path), model.apply, params, tokens_NT, **kw)
+    path = cache.feature_cache_path(str(tmp_path), 100, "val", 8, 0)
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary file left behind
 
     calls = []
-    real = probe.extract_features
-    monkeypatch.setattr(probe, "extract_features", lambda *a, **k: calls.append(1) or real(*a, **k))
-    np.testing.assert_array_equal(probe.cached_features(str(tmp_path), fn, params, tokens_NT, **kw), first)
+    real = features.extract_features
+    monkeypatch.setattr(features, "extract_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    np.testing.assert_array_equal(cache.cached_features(str(tmp_path), model.apply, params, tokens_NT, **kw), first)
     assert calls == []  # served from the cache
-    probe.cached_features(str(tmp_path), fn, params, tokens_NT[:5], **kw)
+    cache.cached_features(str(tmp_path), model.apply, params, tokens_NT[:5], **kw)
     assert calls == [1]  # other tokens under the same key: recomputed
 
 
@@ -121,7 +119,7 @@ def test_probe_checkpoint_leaves_params_untouched(tiny_bert, tmp_path):
     tokens = {s: rng.integers(0, 10, (n, T)).astype(np.int32) for s, n in (("train", 64), ("val", 32))}
     labels = {s: t[:, 0] % 2 for s, t in tokens.items()}
     before = jax.tree.map(np.array, params)
-    out = probe.probe_checkpoint(probe.model_feature_fn(model), params, tokens, labels,
+    out = probe.probe_checkpoint(model.apply, params, tokens, labels,
                                  ProbeConfig(epochs=2, num_seeds=2, projection_dim=8), step=5,
                                  cache_dir=str(tmp_path), progress=False)
     json.dumps(out)

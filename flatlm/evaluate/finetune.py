@@ -1,7 +1,8 @@
-"""Full fine-tuning of a pre-trained encoder with a classification head on the CLS position.
+"""Full fine-tuning of a pre-trained encoder with a classification head on the CLS position (paper, A.4).
 
 Every sentence gets the CLS token (id V + 2) prepended, [cls, x_1..x_T], so the model needs max_len >= T + 1
-(flatlm's configs give max_len = T + 1). The head is dropout + a linear layer on the final hidden state at
+(flatlm's configs give max_len = T + 1). The encoder is named by its Flax `apply` (e.g. `Bert(cfg).apply`), whose
+`features` method gives the hidden states. The head is dropout + a linear layer on the final hidden state at
 position 0 (normal(0.02) init, as BERT's classifier). Encoder and head train together with AdamW (lr 1e-4,
 weight decay 0.01 on weights, not on biases / LayerNorm, as the HF Trainer), global-norm clipping 1.0, linear
 warmup then linear decay; dropout on. Seeds run one after another (same shapes, so one compile) and differ in
@@ -19,7 +20,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,29 +28,37 @@ from jax.extend import core as jcore
 from tqdm.auto import tqdm
 
 from flatlm.errors import UserError
-from flatlm.evaluate.probe import chunks, epoch_indices, infer_num_classes, summarize, warmup_linear_decay
+from flatlm.evaluate.features import ApplyFn
+from flatlm.evaluate.heads import chunks, epoch_indices, infer_num_classes, masked_ce, summarize, warmup_linear_decay
 from flatlm.languages.base import special_ids
 
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
-    """Fine-tuning hyper-parameters. Defaults follow the paper; the released code's values are noted."""
+    """Fine-tuning hyper-parameters. Defaults follow the paper (A.4) except `epochs`, the released script's 50
+    (A.4 says 10); the released code's values are noted.
 
-    learning_rate: float = 1e-4
+    The fields of a config's `eval.finetune` section come first, so `FinetuneConfig(**config.eval.finetune,
+    seed=config.seed)` builds it; `enabled` only tells the runner whether to fine-tune.
+    """
+
+    enabled: bool = True
+    epochs: int = 50  # paper: 10; released: 50
+    batch_size: int = 128  # released: 128
+    lr: float = 1e-4
     weight_decay: float = 0.01
     warmup_steps: int = 200  # paper: 200; released script: 50; then linear decay
+    num_seeds: int = 5
     end_learning_rate: float = 0.0
-    epochs: int = 50  # released: 50
-    batch_size: int = 128  # released: 128
     max_grad_norm: float = 1.0  # released: 1.0 (0 = no clipping)
     head_dropout: float = 0.1  # dropout on the CLS hidden state (BERT's classifier dropout)
     head_init_std: float = 0.02
-    num_seeds: int = 5
     seed: int = 0  # seeds are seed, seed + 1, ..., seed + num_seeds - 1
     eval_batch_size: int = 1024
 
     @property
     def seeds(self) -> list[int]:
+        """The fine-tuning seeds: seed, seed + 1, ..., seed + num_seeds - 1 (the paper reports 5)."""
         return [self.seed + i for i in range(self.num_seeds)]
 
 
@@ -61,10 +69,9 @@ def add_cls(tokens_NT, num_words: int) -> np.ndarray:
     return np.concatenate([cls_N1, tokens_NT], axis=1)
 
 
-def check_max_len(model: nn.Module, length: int) -> None:
-    """Raise UserError unless the model has room for CLS + `length` tokens."""
-    max_len = getattr(model.cfg, "max_len", None)
-    if max_len is not None and max_len < length + 1:
+def check_max_len(max_len: int, length: int) -> None:
+    """Raise UserError unless a model of `max_len` positions has room for CLS + `length` tokens."""
+    if max_len < length + 1:
         raise UserError(
             f"fine-tuning prepends a CLS token, so sentences of {length} tokens need model max_len >= "
             f"{length + 1}, but the model has max_len {max_len}; pre-train with max_len = T + 1")
@@ -101,7 +108,7 @@ def unused_leaves(fn, params) -> list[str]:
 def _finetune_optimizer(c: FinetuneConfig, n: int, frozen: tuple[str, ...]) -> optax.GradientTransformation:
     """Clip, AdamW (decay on weights), then zero updates of the frozen leaves; a pure function of its args."""
     steps = -(-n // min(c.batch_size, n))
-    schedule = warmup_linear_decay(c.learning_rate, c.warmup_steps, steps * c.epochs, c.end_learning_rate)
+    schedule = warmup_linear_decay(c.lr, c.warmup_steps, steps * c.epochs, c.end_learning_rate)
     is_frozen = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: _path_name(p) in frozen, params)
     parts = [optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=c.weight_decay, mask=_decay_mask),
              optax.masked(optax.set_to_zero(), is_frozen)]
@@ -110,11 +117,11 @@ def _finetune_optimizer(c: FinetuneConfig, n: int, frozen: tuple[str, ...]) -> o
     return optax.chain(*parts)
 
 
-def _logits(model, params, tokens_BT, key, train: bool, dropout: float):
+def _logits(apply_fn: ApplyFn, params, tokens_BT, key, train: bool, dropout: float):
     """Classifier logits [B, C] from the hidden state at position 0 (the CLS token)."""
     rngs = {"dropout": jax.random.fold_in(key, 0)} if train else {}
-    h_BTD = model.apply({"params": params["encoder"]}, tokens_BT, deterministic=not train, rngs=rngs,
-                        method="features")
+    h_BTD = apply_fn({"params": params["encoder"]}, tokens_BT, deterministic=not train, rngs=rngs,
+                     method="features")
     h_BD = h_BTD[:, 0].astype(jnp.float32)
     if train and dropout > 0:
         keep_BD = jax.random.bernoulli(jax.random.fold_in(key, 1), 1.0 - dropout, h_BD.shape)
@@ -122,14 +129,12 @@ def _logits(model, params, tokens_BT, key, train: bool, dropout: float):
     return h_BD @ params["head"]["w"] + params["head"]["b"]
 
 
-def _loss(params, model, tokens_BT, y_B, w_B, key, dropout: float):
-    logp_BC = jax.nn.log_softmax(_logits(model, params, tokens_BT, key, True, dropout), axis=-1)
-    nll_B = -jnp.take_along_axis(logp_BC, y_B[:, None], axis=-1)[:, 0]
-    return jnp.sum(nll_B * w_B) / jnp.maximum(jnp.sum(w_B), 1.0)
+def _loss(params, apply_fn: ApplyFn, tokens_BT, y_B, w_B, key, dropout: float):
+    return masked_ce(_logits(apply_fn, params, tokens_BT, key, True, dropout), y_B, w_B)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "config", "frozen"), donate_argnums=(0, 1))
-def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, *, model, config, frozen):
+@functools.partial(jax.jit, static_argnames=("apply_fn", "config", "frozen"), donate_argnums=(0, 1))
+def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, *, apply_fn, config, frozen):
     """One epoch: a lax.scan over minibatches. Module-level, so seeds and checkpoints share one compile."""
     c = config
     n = x_NT.shape[0]
@@ -143,7 +148,7 @@ def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, *, model,
     def body(carry, inp):
         params, opt = carry
         idx_B, w_B, t = inp
-        loss, g = jax.value_and_grad(_loss)(params, model, x_NT[idx_B], y_N[idx_B], w_B,
+        loss, g = jax.value_and_grad(_loss)(params, apply_fn, x_NT[idx_B], y_N[idx_B], w_B,
                                             jax.random.fold_in(ekey, t), c.head_dropout)
         updates, opt = tx.update(g, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
@@ -152,27 +157,31 @@ def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, *, model,
     return params, opt, jnp.mean(loss_X)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _correct_chunk(model, params, tokens_BT, y_B, valid):
+@functools.partial(jax.jit, static_argnames=("apply_fn",))
+def _correct_chunk(apply_fn: ApplyFn, params, tokens_BT, y_B, valid):
     """Correct predictions among the first `valid` rows of a chunk (dropout off)."""
-    pred_B = jnp.argmax(_logits(model, params, tokens_BT, None, False, 0.0), axis=-1)
+    pred_B = jnp.argmax(_logits(apply_fn, params, tokens_BT, None, False, 0.0), axis=-1)
     return jnp.sum((pred_B == y_B) & (jnp.arange(y_B.shape[0]) < valid))
 
 
 def finetune(
-    model: nn.Module,
+    apply_fn: ApplyFn,
     params,
     tokens: Mapping[str, Any],
     labels: Mapping[str, Any],
     config: FinetuneConfig = FinetuneConfig(),
     *,
+    num_words: int,
+    max_len: int,
     num_classes: int | None = None,
     return_params: bool = False,
     progress: bool = True,
 ) -> dict | tuple[dict, list]:
-    """Fine-tune `model` (a Flax module with `features`, e.g. Bert or BiLSTM) from `params`, once per seed.
+    """Fine-tune the encoder `apply_fn` (a Flax `model.apply` whose module has `features`, e.g. Bert or BiLSTM)
+    from `params` with a CLS head, once per seed (A.4).
 
-    tokens: split -> int[N, T] *without* CLS (it is prepended here); labels: split -> int[N]; "train" is
+    num_words: the pre-training vocabulary V (CLS is id V + 2); max_len: the model's positions, which must hold
+    CLS + T. tokens: split -> int[N, T] *without* CLS (it is prepended here); labels: split -> int[N]; "train" is
     required, other splits are only evaluated (with dropout off). Returns a JSON-able dict {"accuracy":
     {split: {"mean", "std", "per_seed"}}, "final_loss", "frozen", "seeds", ...}; with `return_params`, also
     the list of fine-tuned parameter trees {"encoder": ..., "head": {"w": [D, C], "b": [C]}}, one per seed.
@@ -181,22 +190,22 @@ def finetune(
     if "train" not in tokens:
         raise ValueError(f"finetune needs a 'train' split; got {sorted(tokens)}")
     for tok in tokens.values():
-        check_max_len(model, np.shape(tok)[1])
+        check_max_len(max_len, np.shape(tok)[1])
     t0 = time.perf_counter()
     c = config
-    toks = {split: add_cls(tok, model.cfg.num_words) for split, tok in tokens.items()}
+    toks = {split: add_cls(tok, num_words) for split, tok in tokens.items()}
     ys = {split: np.asarray(y, np.int32) for split, y in labels.items()}
     num_classes = num_classes or infer_num_classes(labels)
     x_NT, y_N = jnp.asarray(toks["train"]), jnp.asarray(ys["train"])
     n = x_NT.shape[0]
 
-    features = lambda p: model.apply({"params": p}, x_NT[:1], method="features")
+    features = lambda p: apply_fn({"params": p}, x_NT[:1], method="features")
     d_model = jax.eval_shape(features, params).shape[-1]
     frozen = tuple("encoder/" + name for name in unused_leaves(features, params))
     tx = _finetune_optimizer(c, n, frozen)
     chunk = min(c.eval_batch_size, max(len(y) for y in ys.values()))
-    # the epoch function is compiled per (model, config, shapes): drop the fields it does not read
-    epoch_cfg = dataclasses.replace(c, seed=0, num_seeds=1, eval_batch_size=0)
+    # the epoch function is compiled per (apply_fn, config, shapes): drop the fields it does not read
+    epoch_cfg = dataclasses.replace(c, enabled=True, seed=0, num_seeds=1, eval_batch_size=0)
 
     per_seed_acc = {split: [] for split in toks}
     final_loss, tuned = [], []
@@ -212,12 +221,12 @@ def finetune(
         bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}", disable=not progress, leave=False)
         for epoch in bar:
             p, opt, loss = _finetune_epoch(p, opt, x_NT, y_N, perm_key, drop_key, epoch,
-                                           model=model, config=epoch_cfg, frozen=frozen)
+                                           apply_fn=apply_fn, config=epoch_cfg, frozen=frozen)
             if progress:
                 bar.set_postfix(loss=f"{float(loss):.4f}")
         final_loss.append(float(loss))
         for split in toks:
-            correct = sum(_correct_chunk(model, p, t, y, valid)
+            correct = sum(_correct_chunk(apply_fn, p, t, y, valid)
                           for valid, t, y in chunks(len(ys[split]), chunk, toks[split], ys[split]))
             per_seed_acc[split].append(int(correct) / len(ys[split]))
         if return_params:

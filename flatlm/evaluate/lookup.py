@@ -1,4 +1,5 @@
-"""The lookup-table baseline: a linear probe on the exact conditionals of every position.
+"""The lookup-table baseline (paper, Section 3.2 and A.4): a linear probe on the exact conditionals of every
+position.
 
 A "perfect pre-training loss" model outputs q_t = P(x_t | x_{-t}) at every masked position; the paper's
 lookup table represents a sentence by the concatenation [q_1; ...; q_T] (float[T*V]; zeros beyond a sentence's
@@ -19,14 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from flatlm.evaluate.probe import (
-    ProbeConfig,
-    feature_cache_path,
-    fingerprint,
-    gaussian_projection,
-    load_or_compute,
-    run_probe,
-)
+from flatlm.evaluate.cache import feature_cache_path, fingerprint, load_or_compute
+from flatlm.evaluate.features import gaussian_projection
+from flatlm.evaluate.probe import ProbeConfig, run_probe
 from flatlm.languages.base import Language
 
 
@@ -36,13 +32,16 @@ def lookup_features(
     lengths_N,
     *,
     batch_size: int = 4096,
-    projection_dim: int | None = None,
+    projection_dim: int = 0,
     projection_seed: int = 0,
     progress: bool = True,
     desc: str = "conditionals",
 ) -> np.ndarray:
     """Concatenated exact conditionals float32[N, T*V] (or [N, projection_dim] through the same fixed Gaussian
-    projection as `probe.extract_features`), from `language.conditionals` in batches of `batch_size`."""
+    projection as `features.extract_features`; 0 = none), from `language.conditionals` in batches of `batch_size`.
+
+    The paper's lookup table (Section 3.2, A.4) uses the true conditionals as a sentence's contextual embeddings.
+    """
     tokens_NT = np.asarray(tokens_NT, np.int32)
     lengths_N = np.asarray(lengths_N, np.int32)
     n, T = tokens_NT.shape
@@ -52,7 +51,7 @@ def lookup_features(
         stop = min(start + batch_size, n)
         q_BTV = np.asarray(language.conditionals(tokens_NT[start:stop], lengths_N[start:stop]), np.float32)
         x_BF = q_BTV.reshape(stop - start, -1)
-        if projection_dim is not None:
+        if projection_dim:
             if proj_FP is None:
                 proj_FP = gaussian_projection(x_BF.shape[1], projection_dim, projection_seed)
             x_BF = np.asarray(jnp.asarray(x_BF) @ proj_FP)
