@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tensorboardX import SummaryWriter
 
 
 def _scalar(v):
@@ -22,8 +23,6 @@ class MetricWriter:
         self.enabled = enabled
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
-
         Path(workdir).mkdir(parents=True, exist_ok=True)
         self._jsonl = open(Path(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
         self._tb = SummaryWriter(str(Path(workdir, "tensorboard")))

@@ -13,10 +13,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO
-from flatlm.evaluate.features import gaussian_projection
 
 from flatlm.data.masking import mask_batch
 from flatlm.evaluate.exact_loss import exact_loss
+from flatlm.evaluate.features import gaussian_projection
 from flatlm.languages import hmm
 from flatlm.models import Bert, BertConfig
 from flatlm.train import adversarial as adv
@@ -410,6 +410,7 @@ def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, pr
     standardised AdamW probe is not fooled yet (seen 0.41 -> 0.41), so for seed 2 only the closed-form head's
     drop is asserted."""
     from flatlm.evaluate import probe
+    from flatlm.evaluate.features import extract_features
 
     lang, model, params = _effect_run(d_model=16, warm=300, steps=steps, lam=10.0, ridge=3.0, seed=seed)
     loss = _exact(lang, model, params)
@@ -422,7 +423,7 @@ def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, pr
     labels = {"train": train.latents["states"][:, 4], "test": test.latents["states"][:, 4]}
     probe_acc = {}
     for name, p in params.items():
-        feats = {split: probe.extract_features(ff, p, c.tokens, progress=False)
+        feats = {split: extract_features(model.apply, p, c.tokens, progress=False)
                  for split, c in (("train", train), ("test", test))}
         out = probe.run_probe(feats, labels, probe.ProbeConfig(epochs=30, num_seeds=2), num_classes=8,
                               progress=False)

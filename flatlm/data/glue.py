@@ -96,8 +96,8 @@ def read_tsv(task: str, manual_dir: str, split: str) -> tuple[list[tuple[str, ..
 
 def _local_glue_builder():
     """tfds's `glue` builder reading a manual dir instead of downloading (defined lazily: tfds imports slowly)."""
-    import tensorflow_datasets as tfds
-    from tensorflow_datasets.text import glue
+    import tensorflow_datasets as tfds  # start-up time: tfds takes seconds to import, only GLUE needs it here
+    from tensorflow_datasets.text import glue  # (same)
 
     class LocalGlue(glue.Glue, skip_registration=True):
         name = "flatlm_local_glue"
@@ -144,7 +144,7 @@ def make_tokenizer(spec: Tokenizer | str) -> Tokenizer:
     if not os.path.isdir(spec):
         raise UserError(f"tokenizer must be a function or a local tokenizer directory; {spec!r} is neither")
     try:
-        import transformers
+        import transformers  # optional extra `flatlm[hf]`
     except ImportError as e:
         raise UserError("loading a tokenizer directory needs transformers (pip install 'flatlm[hf]')") from e
     tok = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)

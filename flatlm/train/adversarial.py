@@ -36,7 +36,7 @@ import numpy as np
 
 from flatlm.config import check_choice
 from flatlm.errors import UserError
-from flatlm.evaluate.features import gaussian_projection
+from flatlm.evaluate.features import gaussian_projection, hidden_states
 from flatlm.models.losses import ApplyFn, mlm_loss
 
 LOSSES = ("squared", "ce")
@@ -230,7 +230,7 @@ def probe_features(apply_fn: ApplyFn, params, tokens_BT, projection_dim: int = 0
 
     `apply_fn` is a Flax `model.apply` of a module with a `features(tokens) -> hidden[B, T, D]` method.
     """
-    h_BTD = apply_fn({"params": params}, tokens_BT, method="features")
+    h_BTD = hidden_states(apply_fn, params, tokens_BT)
     x_BF = h_BTD.reshape(h_BTD.shape[0], -1)
     x_BF = x_BF.astype(jnp.promote_types(x_BF.dtype, jnp.float32))  # bf16 activations -> f32; f64 stays
     if not projection_dim:
