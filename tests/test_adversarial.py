@@ -379,7 +379,7 @@ def _exact(lang, model, params_by_name, n=256):
     corpus = lang.sample(n, seed=424242)
     q = lang.conditionals(corpus.tokens, corpus.lengths)
     batches = [{"tokens": corpus.tokens, "length": corpus.lengths, "conditionals": q}]
-    return {name: exact_loss(model, p, batches, num_subsets=2) for name, p in params_by_name.items()}
+    return {name: exact_loss(model.apply, p, batches, num_subsets=2) for name, p in params_by_name.items()}
 
 
 def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretraining_loss():

@@ -44,7 +44,7 @@ def test_exact_loss_matches_an_explicit_loop_over_masked_positions():
     params = nn.unbox(model.init(jax.random.key(0), jnp.asarray(tokens))["params"])
     batches = [{"tokens": tokens[i:i + 10], "length": lengths[i:i + 10], "conditionals": q[i:i + 10]}
                for i in range(0, len(tokens), 10)]
-    out = exact_loss(model, params, batches, num_subsets=3, pad_to=10)
+    out = exact_loss(model.apply, params, batches, num_subsets=3, pad_to=10)
     ce_sum, ent_sum, count = 0.0, 0.0, 0
     for b in range(len(tokens)):
         for t in range(lengths[b]):

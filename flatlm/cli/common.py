@@ -24,12 +24,17 @@ def add_output_flags(p: argparse.ArgumentParser, quiet: bool = True) -> None:
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def load_config(spec: str, overrides: list[str], hint: str = "--config.train.steps=200"):
-    """The config `FILE.py[:ARG]` with absl-style `--config.a.b=value` overrides applied (type-checked)."""
+def apply_overrides(config, overrides: list[str], hint: str = "--config.train.steps=200"):
+    """`config` with absl-style `--config.a.b=value` overrides applied (type-checked); anything else is an error."""
     bad = [a for a in overrides if not a.startswith("--config.")]
     if bad:
         raise UserError(f"unrecognised argument {bad[0]!r}; config overrides look like {hint}")
-    return config_lib.apply_overrides(config_lib.load_config(spec), overrides)
+    return config_lib.apply_overrides(config, overrides)
+
+
+def load_config(spec: str, overrides: list[str]):
+    """The run config `FILE.py[:ARG]` with its `--config.a.b=value` overrides."""
+    return apply_overrides(config_lib.load_config(spec), overrides)
 
 
 def parse_steps(spec: str, available: list[int]) -> list[int]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from flatlm import config as config_lib
-from flatlm.cli.common import add_output_flags
-from flatlm.errors import UserError
+from flatlm.cli.common import add_output_flags, apply_overrides
 from flatlm.experiment import load_experiment, run_experiment
 from flatlm.table import print_json, print_table
 
@@ -20,11 +18,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Run (or resume) every run of the experiment; print each run's status."""
-    exp = load_experiment(args.config)
-    bad = [a for a in args.overrides if not a.startswith("--config.")]
-    if bad:
-        raise UserError(f"unrecognised argument {bad[0]!r}; overrides look like --config.base.train.steps=200")
-    config_lib.apply_overrides(exp, args.overrides)
+    exp = apply_overrides(load_experiment(args.config), args.overrides, hint="--config.base.train.steps=200")
     status = run_experiment(exp, args.workdir, progress=not args.quiet)
     if args.json:
         print_json({"workdir": args.workdir, "runs": status})
