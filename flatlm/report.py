@@ -106,7 +106,7 @@ def _pm(mean, std, scale=100.0, digits=1) -> str:
 def subplots(ncols: int = 1, figsize=(5.5, 4)):
     """A pyplot-free figure and its axes (a 1-D array when ncols > 1, else one Axes)."""
     fig = Figure(figsize=figsize)
-    return fig, fig.subplots(1, ncols, squeeze=ncols == 1)
+    return fig, fig.subplots(1, ncols)
 
 
 def make_report(dirs: list[str], out: str | None = None) -> Path:

@@ -5,6 +5,7 @@ and a docstring on every public name. See "Contributing" in the README for the l
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,11 @@ def test_public_names_have_docstrings(module):
     missing = [name for name, node in _public_defs(tree)
                if not ast.get_docstring(node) and not name.endswith(".setup")]  # Flax's own hook
     assert not missing, f"{module}: {missing}"
+
+
+def test_one_shape_suffix_convention():
+    """Shape suffixes are unseparated capitals (`tokens_BT`), never the `x`-separated form (`tokens_BxT`)."""
+    pattern = re.compile(r"\b[a-z][a-z0-9_]*_[A-Z](?:x[A-Z])+\b")
+    found = [f"{p.relative_to(PACKAGE.parent)}: {m}" for p in MODULES.values()
+             for m in sorted(set(pattern.findall(p.read_text())))]
+    assert not found, "\n".join(found)
