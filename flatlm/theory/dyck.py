@@ -53,13 +53,13 @@ def _exact_trace_hvp(params: Params, batch: Batch, chunk: int = 64) -> jax.Array
     grad_fn = jax.grad(_loss_of_flat(unravel, batch))
     P = flat.shape[0]
     num_chunks = -(-P // chunk)
-    idx_CxK = jnp.arange(num_chunks * chunk).reshape(num_chunks, chunk)
+    idx_CK = jnp.arange(num_chunks * chunk).reshape(num_chunks, chunk)
 
     def diag_entry(i):
         e_P = (jnp.arange(P) == i).astype(flat.dtype)  # all zeros for the padding indices i >= P
         return jax.jvp(grad_fn, (flat,), (e_P,))[1] @ e_P
 
-    return jnp.sum(jax.lax.map(jax.vmap(diag_entry), idx_CxK))
+    return jnp.sum(jax.lax.map(jax.vmap(diag_entry), idx_CK))
 
 
 @jax.jit
@@ -290,8 +290,8 @@ def _objective(params, mb, key, cfg: TrainConfig):
         diag = jax.vmap(lambda e: e @ jax.jvp(jax.grad(f), (flat,), (e,))[1])
         tr = jnp.sum(diag(jnp.eye(flat.shape[0], dtype=flat.dtype)))
     else:
-        v_KxP = jax.random.rademacher(key, (cfg.penalty_probes, flat.shape[0]), flat.dtype)
-        tr = jnp.mean(jax.vmap(lambda v: v @ jax.jvp(jax.grad(f), (flat,), (v,))[1])(v_KxP))
+        v_KP = jax.random.rademacher(key, (cfg.penalty_probes, flat.shape[0]), flat.dtype)
+        tr = jnp.mean(jax.vmap(lambda v: v @ jax.jvp(jax.grad(f), (flat,), (v,))[1])(v_KP))
     return base + cfg.penalty * tr
 
 

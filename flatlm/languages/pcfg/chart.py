@@ -27,11 +27,11 @@ def _tree(op, xs: list):
 _TREE_TERMS = 16  # contractions over at most this many terms are unrolled; longer ones use dot_general
 
 
-def _normalise(new_IxBxN):
+def _normalise(new_IBN):
     """Divide each span's vector by its max (an all-zero span keeps scale 1). Returns (scaled, scale [I, B])."""
-    s_IxB = jax.lax.stop_gradient(new_IxBxN.max(-1))
-    s_IxB = jnp.where(s_IxB > 0, s_IxB, 1)
-    return new_IxBxN / s_IxB[..., None], s_IxB
+    s_IB = jax.lax.stop_gradient(new_IBN.max(-1))
+    s_IB = jnp.where(s_IB > 0, s_IB, 1)
+    return new_IBN / s_IB[..., None], s_IB
 
 
 def _read(x, start: tuple[int, ...], size: tuple[int, ...]):
@@ -58,23 +58,27 @@ class Chart:
     Children of span [i, i+w) at split d: left [i, i+d) = by_start[i, :, d-1], right [i+d, i+w) =
     by_end[i+w-1, :, w-d-1], so all starts i and splits d0..d1 of one width are two rectangular slices
     [I, B, D, N + 1], batch dims leading.
+
+    Shape letters: T words, B sentences, N nonterminals, I starts of spans of one width, D splits, L and R
+    a block's left and right children, P child pairs (summed over blocks), E = N + 1 (beta' and the log
+    scale), M = I * B rows.
     """
 
-    def __init__(self, plan: Plan, consts, leaf_TxBxN):
-        T, B, N = leaf_TxBxN.shape
-        dtype = leaf_TxBxN.dtype
+    def __init__(self, plan: Plan, consts, leaf_TBN):
+        T, B, N = leaf_TBN.shape
+        dtype = leaf_TBN.dtype
         self.plan, self.consts, self.T, self.B, self.N = plan, consts, T, B, N
-        beta_TxBxN, s_TxB = _normalise(leaf_TxBxN)
-        self.scale = {1: s_TxB}  # per width: the normaliser [I, B] of each span
+        beta_TBN, s_TB = _normalise(leaf_TBN)
+        self.scale = {1: s_TB}  # per width: the normaliser [I, B] of each span
         # Leaves start at log scale 0 and their own scales are kept apart (inside = beta' * exp(chart log
         # scale + sum of the span's leaf log scales)): the chart's log scales then stay small, so float32
         # resolves the split weights exp(lsum - top) to ~1e-7 even in long sentences.
-        self.leaf_log_TxB = jnp.log(s_TxB)
-        leaf_TxBx1xN1 = jnp.concatenate([beta_TxBxN, jnp.zeros((T, B, 1), dtype)], -1)[:, :, None]
+        self.leaf_log_TB = jnp.log(s_TB)
+        leaf_TB1E = jnp.concatenate([beta_TBN, jnp.zeros((T, B, 1), dtype)], -1)[:, :, None]
         empty = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), jnp.full((T, B, T - 1, 1), _NEG, dtype)], -1)
         # Two different expressions, so that XLA does not merge them and then copy to update both in place.
-        self.by_start = jnp.concatenate([leaf_TxBx1xN1, empty], 2)
-        self.by_end = jnp.concatenate([empty, leaf_TxBx1xN1], 2)[:, :, ::-1]
+        self.by_start = jnp.concatenate([leaf_TB1E, empty], 2)
+        self.by_end = jnp.concatenate([empty, leaf_TB1E], 2)[:, :, ::-1]
         for w in range(2, T + 1):
             self._width(w)
 
@@ -85,12 +89,12 @@ class Chart:
         I, D, B, N = self.T - w + 1, spec.d1 - spec.d0 + 1, self.B, self.N
         left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N + 1))
         right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N + 1)), (2,))
-        lsum_IxBxD = left[..., N] + right[..., N]
-        top_IxB = lsum_IxBxD.max(-1)
-        f_IxBxD = jnp.exp(lsum_IxBxD - top_IxB[..., None])
+        lsum_IBD = left[..., N] + right[..., N]
+        top_IB = lsum_IBD.max(-1)
+        f_IBD = jnp.exp(lsum_IBD - top_IB[..., None])
         # Materialise the two operands contiguously: the outer products below read each many times.
-        left, right = jax.lax.optimization_barrier((left[..., :N] * f_IxBxD[..., None], right[..., :N]))
-        return left, right, f_IxBxD, top_IxB
+        left, right = jax.lax.optimization_barrier((left[..., :N] * f_IBD[..., None], right[..., :N]))
+        return left, right, f_IBD, top_IB
 
     def _width(self, w: int) -> None:
         spec = self.plan.widths.get(w)
@@ -98,20 +102,20 @@ class Chart:
             self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
             return
         I, B, N = self.T - w + 1, self.B, self.N
-        left, right, _, top_IxB = self.children(w, spec)
+        left, right, _, top_IB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:
-            outer_IxBxLxR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
-                                            * right[:, :, d - spec.d0, None, k.r0:k.r1]
-                                            for d in range(k.d0, k.d1 + 1)])
-            pairs.append(outer_IxBxLxR.reshape(I * B, -1))
-        pairs_IBxP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
-        new_IxBxN = _dot(pairs_IBxP, self.consts["G"][w]).reshape(I, B, N)
-        beta_IxBxN, s_IxB = _normalise(new_IxBxN)
-        self.scale[w] = s_IxB
-        new_IxBx1xN1 = jnp.concatenate([beta_IxBxN, (top_IxB + jnp.log(s_IxB))[..., None]], -1)[:, :, None]
-        self.by_start = jax.lax.dynamic_update_slice(self.by_start, new_IxBx1xN1, (0, 0, w - 1, 0))
-        self.by_end = jax.lax.dynamic_update_slice(self.by_end, new_IxBx1xN1, (w - 1, 0, w - 1, 0))
+            outer_IBLR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
+                                         * right[:, :, d - spec.d0, None, k.r0:k.r1]
+                                         for d in range(k.d0, k.d1 + 1)])
+            pairs.append(outer_IBLR.reshape(I * B, -1))
+        pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
+        new_IBN = _dot(pairs_MP, self.consts["G"][w]).reshape(I, B, N)
+        beta_IBN, s_IB = _normalise(new_IBN)
+        self.scale[w] = s_IB
+        new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None]], -1)[:, :, None]
+        self.by_start = jax.lax.dynamic_update_slice(self.by_start, new_IB1E, (0, 0, w - 1, 0))
+        self.by_end = jax.lax.dynamic_update_slice(self.by_end, new_IB1E, (w - 1, 0, w - 1, 0))
 
     def prefixes(self):
         """beta' [B, T, N] and log scale [B, T] of the prefix spans [0, k), k = 1..T."""
@@ -124,12 +128,12 @@ class Chart:
     def root_value(self, lengths_B):
         """z [B] (scaled) and log scale [B] with P(x) = z exp(scale + sum of leaf log scales), and the
         one-hot sel [B, T] of length - 1."""
-        prefix_BxTxN, log_BxT = self.prefixes()
-        sel_BxT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BxTxN.dtype)
-        z_BxT = _dot(prefix_BxTxN, self.consts["root"])
-        return (z_BxT * sel_BxT).sum(-1), (log_BxT * sel_BxT).sum(-1), sel_BxT
+        prefix_BTN, log_BT = self.prefixes()
+        sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
+        z_BT = _dot(prefix_BTN, self.consts["root"])
+        return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
 
-    def outside(self, sel_BxT, on_width=None):
+    def outside(self, sel_BT, on_width=None):
         """The outside pass: d z / d beta' for every span, widths T..1 (z = the scaled root value).
 
         Returns d z / d leaf [T, B, N]; `on_width(w, adj [I, B, N])` sees each width's adjoint.
@@ -140,86 +144,86 @@ class Chart:
         adj_end = jnp.zeros((T + 1, B, T, N), dtype)[1:]  # as a right child, by end (kept apart from the above)
         for w in range(T, 0, -1):
             I = T - w + 1
-            adj_IxBxN = adj_start[:I, :, w - 1] + adj_end[w - 1:, :, w - 1]
-            adj_IxBxN = adj_IxBxN.at[0].add(sel_BxT[:, w - 1, None] * self.consts["root"])
+            adj_IBN = adj_start[:I, :, w - 1] + adj_end[w - 1:, :, w - 1]
+            adj_IBN = adj_IBN.at[0].add(sel_BT[:, w - 1, None] * self.consts["root"])
             if on_width is not None:
-                on_width(w, adj_IxBxN)
+                on_width(w, adj_IBN)
             if w == 1:
-                return adj_IxBxN / self.scale[1][..., None]
+                return adj_IBN / self.scale[1][..., None]
             spec = self.plan.widths.get(w)
             if spec is None:
                 continue
-            h_IxBxP = _dot(adj_IxBxN / self.scale[w][..., None], self.consts["G"][w].T)
-            left, right, f_IxBxD, _ = self.children(w, spec)
+            h_IBP = _dot(adj_IBN / self.scale[w][..., None], self.consts["G"][w].T)
+            left, right, f_IBD, _ = self.children(w, spec)
             p = 0
             for k in spec.blocks:
                 L, R, a, b = k.l1 - k.l0, k.r1 - k.r0, k.d0 - spec.d0, k.d1 - spec.d0 + 1
-                h_IxBxLxR = h_IxBxP[..., p: p + L * R].reshape(I, B, L, R)
+                h_IBLR = h_IBP[..., p: p + L * R].reshape(I, B, L, R)
                 p += L * R
                 rk, lk = right[:, :, a:b, k.r0:k.r1], left[:, :, a:b, k.l0:k.l1]
                 if R <= _TREE_TERMS:  # d z / d left[l] = sum_r h[l, r] right[r]
-                    h_IxBxRxL = jnp.swapaxes(h_IxBxLxR, 2, 3)
-                    gl = _tree(jnp.add, [h_IxBxRxL[:, :, None, r] * rk[..., r, None] for r in range(R)])
+                    h_IBRL = jnp.swapaxes(h_IBLR, 2, 3)
+                    gl = _tree(jnp.add, [h_IBRL[:, :, None, r] * rk[..., r, None] for r in range(R)])
                 else:
-                    gl = jnp.einsum("ibdr,iblr->ibdl", rk, h_IxBxLxR, precision=jax.lax.Precision.HIGHEST)
+                    gl = jnp.einsum("ibdr,iblr->ibdl", rk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
                 if L <= _TREE_TERMS:  # d z / d right[r] = sum_l h[l, r] left[l]
-                    gr = _tree(jnp.add, [h_IxBxLxR[:, :, None, l] * lk[..., l, None] for l in range(L)])
+                    gr = _tree(jnp.add, [h_IBLR[:, :, None, l] * lk[..., l, None] for l in range(L)])
                 else:
-                    gr = jnp.einsum("ibdl,iblr->ibdr", lk, h_IxBxLxR, precision=jax.lax.Precision.HIGHEST)
-                adj_start = _add(adj_start, (0, 0, spec.d0 - 1 + a, k.l0), gl * f_IxBxD[:, :, a:b, None])
+                    gr = jnp.einsum("ibdl,iblr->ibdr", lk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
+                adj_start = _add(adj_start, (0, 0, spec.d0 - 1 + a, k.l0), gl * f_IBD[:, :, a:b, None])
                 adj_end = _add(adj_end, (w - 1, 0, w - spec.d0 - b, k.r0), jax.lax.rev(gr, (2,)))
         raise AssertionError("unreachable")
 
 
-def _leaves(consts, tokens_BxT):
+def _leaves(consts, tokens_BT):
     """Leaf vectors [T, B, N]: emit[:, w] per word, zeros for pad (id V), emit.sum(1) for mask (id V + 1)."""
-    return consts["emit_ext"][tokens_BxT.T]  # [T, B, N]
+    return consts["emit_ext"][tokens_BT.T]  # [T, B, N]
 
 
-def _kernel_forward(plan: Plan, consts, tokens_BxT, lengths_B):
+def _kernel_forward(plan: Plan, consts, tokens_BT, lengths_B):
     """The inside pass: scaled P(x) and the prefix spans' inside vectors, with their log scales."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BxT))
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
     z_B, log_B, _ = chart.root_value(lengths_B)
-    prefix_BxTxN, prefix_log_BxT = chart.prefixes()
-    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BxTxN, "prefix_log_scale": prefix_log_BxT,
-            "leaf_log_scale": chart.leaf_log_TxB.T}
+    prefix_BTN, prefix_log_BT = chart.prefixes()
+    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BTN, "prefix_log_scale": prefix_log_BT,
+            "leaf_log_scale": chart.leaf_log_TB.T}
 
 
-def _kernel_conditionals(plan: Plan, consts, tokens_BxT, lengths_B):
+def _kernel_conditionals(plan: Plan, consts, tokens_BT, lengths_B):
     """q [B, T, V] = P(x_t = w | x_-t) (Appendix A.2), zero beyond each length and where no sentence fits."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BxT))
-    _, _, sel_BxT = chart.root_value(lengths_B)
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
+    _, _, sel_BT = chart.root_value(lengths_B)
     # The chart is linear in each leaf: (d z / d leaf[t]) . emit[:, w] = P(x_-t, x_t = w) * (a per-sentence
     # constant, the inverse of all the chart's scales), which the normalisation over w removes.
-    g_TxBxN = chart.outside(sel_BxT)
-    T = tokens_BxT.shape[1]
-    joint_BxTxV = _dot(jnp.swapaxes(g_TxBxN, 0, 1), consts["emit"])
-    total_BxT = joint_BxTxV.sum(-1)
-    valid_BxT = (total_BxT > 0) & (jnp.arange(T)[None, :] < lengths_B[:, None])
-    q_BxTxV = joint_BxTxV / jnp.where(valid_BxT, total_BxT, 1)[..., None]
-    return {"q": jnp.where(valid_BxT[..., None], jnp.maximum(q_BxTxV, 0), 0)}
+    g_TBN = chart.outside(sel_BT)
+    T = tokens_BT.shape[1]
+    joint_BTV = _dot(jnp.swapaxes(g_TBN, 0, 1), consts["emit"])
+    total_BT = joint_BTV.sum(-1)
+    valid_BT = (total_BT > 0) & (jnp.arange(T)[None, :] < lengths_B[:, None])
+    q_BTV = joint_BTV / jnp.where(valid_BT, total_BT, 1)[..., None]
+    return {"q": jnp.where(valid_BT[..., None], jnp.maximum(q_BTV, 0), 0)}
 
 
-def _kernel_posteriors(plan: Plan, consts, tokens_BxT, lengths_B):
+def _kernel_posteriors(plan: Plan, consts, tokens_BT, lengths_B):
     """P(A spans [i, i + w) | x) by inside-outside, as post [B, start, width - 1, N]."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BxT))
-    z_B, _, sel_BxT = chart.root_value(lengths_B)
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
+    z_B, _, sel_BT = chart.root_value(lengths_B)
     T = chart.T
     post = {}
 
-    def on_width(w, adj_IxBxN):  # P(A spans [i, i+w) | x) = beta' * (d z / d beta') / z
-        post[w] = jnp.pad(chart.width(w) * adj_IxBxN / z_B[:, None], ((0, w - 1), (0, 0), (0, 0)))
+    def on_width(w, adj_IBN):  # P(A spans [i, i+w) | x) = beta' * (d z / d beta') / z
+        post[w] = jnp.pad(chart.width(w) * adj_IBN / z_B[:, None], ((0, w - 1), (0, 0), (0, 0)))
 
-    chart.outside(sel_BxT, on_width)
-    post_TxTxBxN = jnp.stack([post[w] for w in range(1, T + 1)])  # [width - 1, start, B, N]
-    return {"post": jnp.transpose(post_TxTxBxN, (2, 1, 0, 3))}  # [B, T (start), T (width - 1), N]
+    chart.outside(sel_BT, on_width)
+    post_TTBN = jnp.stack([post[w] for w in range(1, T + 1)])  # [width - 1, start, B, N]
+    return {"post": jnp.transpose(post_TTBN, (2, 1, 0, 3))}  # [B, T (start), T (width - 1), N]
 
 
-def _kernel_lengths(plan: Plan, consts, leaf_BxTxN):
+def _kernel_lengths(plan: Plan, consts, leaf_BTN):
     """Scaled root value, its log scale and the leaf log scales [B, T] of every prefix of the given leaves."""
-    chart = Chart(plan, consts, jnp.swapaxes(leaf_BxTxN, 0, 1))
-    prefix_BxTxN, log_BxT = chart.prefixes()
-    return prefix_BxTxN @ consts["root"], log_BxT, chart.leaf_log_TxB.T
+    chart = Chart(plan, consts, jnp.swapaxes(leaf_BTN, 0, 1))
+    prefix_BTN, log_BT = chart.prefixes()
+    return prefix_BTN @ consts["root"], log_BT, chart.leaf_log_TB.T
 
 
 KERNELS = {  # kind -> kernel(plan, consts, ...); bound to a plan and jitted by `flatlm.languages.pcfg.engine`

@@ -115,22 +115,22 @@ def encode_tokens(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
     if np.any(lengths < 0) or np.any(lengths > T):
         raise ValueError(f"lengths must lie in 0..{T}")
     V, mask = vocab_size, special_ids(vocab_size).mask
-    inside_nxT = np.arange(T)[None, :] < lengths[:, None]
-    words = tokens[inside_nxT]
+    inside_nT = np.arange(T)[None, :] < lengths[:, None]
+    words = tokens[inside_nT]
     if np.any(((words < 0) | (words >= V)) & (words != mask)):
         raise ValueError(f"word ids within each sentence's length must lie in 0..{V - 1} (or be mask = {mask})")
     # Internally row V of the leaf table is pad (zero), row V + 1 mask (the word is summed over).
     tokens = np.where(tokens == mask, V + 1, tokens)
-    return np.where(inside_nxT, tokens, V).astype(np.int32), lengths
+    return np.where(inside_nT, tokens, V).astype(np.int32), lengths
 
 
 class Engine:
     """Exact inference for one grammar (`root[N]`, `binary[N, N, N]`, `emit[N, V]`): plans and compiled
     kernels cached per chart size and dtype (float64 under jax x64, else float32), built on first use."""
 
-    def __init__(self, root_N, binary_NxNxN, emit_NxV):
-        self.root, self.binary, self.emit = root_N, binary_NxNxN, emit_NxV
-        self.vocab_size = int(emit_NxV.shape[1])
+    def __init__(self, root_N, binary_NNN, emit_NV):
+        self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
+        self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
 
@@ -170,12 +170,12 @@ class Engine:
         calls = []
         for idx, T in zip(chunks, sizes):
             B = min(batch_size, _next_pow2(len(idx)))
-            tok_BxT = np.full((B, T), self.vocab_size, np.int32)  # pad id = V
+            tok_BT = np.full((B, T), self.vocab_size, np.int32)  # pad id = V
             width = min(T, T_in)
-            tok_BxT[: len(idx), :width] = tokens[idx, :width]
+            tok_BT[: len(idx), :width] = tokens[idx, :width]
             len_B = np.zeros(B, np.int32)
             len_B[: len(idx)] = lengths[idx]
-            calls.append((idx, self.fn(kind, T), (self.plan(T).consts, tok_BxT, len_B)))
+            calls.append((idx, self.fn(kind, T), (self.plan(T).consts, tok_BT, len_B)))
         compile_all([(fn, args) for _, fn, args in calls])  # every chart size first, in parallel
         results: dict[str, np.ndarray] = {}
         for idx, fn, args in calls:
@@ -192,7 +192,7 @@ class Engine:
         """float[L+1]: P(length = l) for l = 0..L, by one inside pass over all-ones leaves (emit.sum(1))."""
         plan = self.plan(L)
         fn = self.fn("lengths", L)
-        leaf_1xTxN = jnp.broadcast_to(plan.consts["leaf_total"], (1, L, plan.N))
-        z_1xT, log_scale_1xT, leaf_log_1xT = (np.asarray(a[0], np.float64) for a in fn(plan.consts, leaf_1xTxN))
-        p = z_1xT * np.exp(log_scale_1xT + np.cumsum(leaf_log_1xT))
+        leaf_1TN = jnp.broadcast_to(plan.consts["leaf_total"], (1, L, plan.N))
+        z_1T, log_scale_1T, leaf_log_1T = (np.asarray(a[0], np.float64) for a in fn(plan.consts, leaf_1TN))
+        p = z_1T * np.exp(log_scale_1T + np.cumsum(leaf_log_1T))
         return np.concatenate([[0.0], p])

@@ -38,39 +38,39 @@ class PCFG:
                  words: Sequence[str] | None = None, max_length: int | None = None, batch_size: int = 64,
                  bucket_lengths: bool = True):
         root_N = np.asarray(root, np.float64)
-        binary_NxNxN = np.asarray(binary, np.float64)
-        emit_NxV = np.asarray(emit, np.float64)
+        binary_NNN = np.asarray(binary, np.float64)
+        emit_NV = np.asarray(emit, np.float64)
         if root_N.ndim != 1 or root_N.size == 0:
             raise ValueError(f"root must be a non-empty vector [N], got shape {root_N.shape}")
         N = root_N.size
-        if binary_NxNxN.shape != (N, N, N):
-            raise ValueError(f"binary must have shape [N, N, N] = {(N, N, N)}, got {binary_NxNxN.shape}")
-        if emit_NxV.ndim != 2 or emit_NxV.shape[0] != N or emit_NxV.shape[1] == 0:
-            raise ValueError(f"emit must have shape [N, V] with N = {N}, got {emit_NxV.shape}")
-        for name, a in (("root", root_N), ("binary", binary_NxNxN), ("emit", emit_NxV)):
+        if binary_NNN.shape != (N, N, N):
+            raise ValueError(f"binary must have shape [N, N, N] = {(N, N, N)}, got {binary_NNN.shape}")
+        if emit_NV.ndim != 2 or emit_NV.shape[0] != N or emit_NV.shape[1] == 0:
+            raise ValueError(f"emit must have shape [N, V] with N = {N}, got {emit_NV.shape}")
+        for name, a in (("root", root_N), ("binary", binary_NNN), ("emit", emit_NV)):
             if not np.all(np.isfinite(a)) or np.any(a < 0):
                 raise ValueError(f"{name} must be finite and non-negative")
         if abs(root_N.sum() - 1) > _TOL:
             raise ValueError(f"root must sum to 1, sums to {root_N.sum():.9g}")
-        total_N = binary_NxNxN.reshape(N, -1).sum(1) + emit_NxV.sum(1)
+        total_N = binary_NNN.reshape(N, -1).sum(1) + emit_NV.sum(1)
         bad = np.flatnonzero(np.abs(total_N - 1) > _TOL)
         nonterminals = [f"N{i}" for i in range(N)] if nonterminals is None else [str(s) for s in nonterminals]
-        words = [f"w{i}" for i in range(emit_NxV.shape[1])] if words is None else [str(s) for s in words]
+        words = [f"w{i}" for i in range(emit_NV.shape[1])] if words is None else [str(s) for s in words]
         if len(nonterminals) != N or len(set(nonterminals)) != N:
             raise ValueError(f"nonterminals must be {N} distinct names, got {len(set(nonterminals))} distinct")
-        if len(words) != emit_NxV.shape[1] or len(set(words)) != len(words):
-            raise ValueError(f"words must be {emit_NxV.shape[1]} distinct names")
+        if len(words) != emit_NV.shape[1] or len(set(words)) != len(words):
+            raise ValueError(f"words must be {emit_NV.shape[1]} distinct names")
         if bad.size:
             A = bad[0]
             raise ValueError(
                 f"rules of nonterminal {nonterminals[A]!r} sum to {total_N[A]:.9g}, not 1: need "
                 "binary[A].sum() + emit[A].sum() == 1 for every A"
             )
-        self.root, self.binary, self.emit = root_N, binary_NxNxN, emit_NxV
+        self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
         self.nonterminals, self.words = nonterminals, words
         self.batch_size = int(batch_size)
         self.bucket_lengths = bool(bucket_lengths)
-        longest = _longest_sentence(root_N, binary_NxNxN, emit_NxV)
+        longest = _longest_sentence(root_N, binary_NNN, emit_NV)
         if max_length is None:
             if longest is None:
                 raise ValueError("this grammar derives sentences of unbounded length; pass max_length")
@@ -81,7 +81,7 @@ class PCFG:
         if self._max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         self._rejects = longest is None or longest > self._max_length  # sampling must reject long sentences
-        self._engine = Engine(root_N, binary_NxNxN, emit_NxV)
+        self._engine = Engine(root_N, binary_NNN, emit_NV)
         self._sampler = None
 
     # ---- sizes -------------------------------------------------------------------------------------------
@@ -119,9 +119,9 @@ class PCFG:
         Raises `UserError` naming the line, or the file for a grammar the constructor rejects. `max_length` and
         `kwargs` go to the constructor.
         """
-        root_N, binary_NxNxN, emit_NxV, nonterminals, words = rules_file.read_rules(path, sort_words)
+        root_N, binary_NNN, emit_NV, nonterminals, words = rules_file.read_rules(path, sort_words)
         try:
-            return cls(root_N, binary_NxNxN, emit_NxV, nonterminals, words, max_length=max_length, **kwargs)
+            return cls(root_N, binary_NNN, emit_NV, nonterminals, words, max_length=max_length, **kwargs)
         except ValueError as e:
             raise UserError(f"{path}: {e}") from None
 
@@ -169,18 +169,18 @@ class PCFG:
         tokens, lengths = self._check(tokens, lengths)
         out = self._run("forward", tokens, lengths)
         with np.errstate(divide="ignore"):
-            leaf_nxT = np.cumsum(out["leaf_log_scale"].astype(np.float64), 1)
-            log_nxTxN = np.log(out["prefix"].astype(np.float64)) + (out["prefix_log_scale"] + leaf_nxT)[..., None]
-            return log_nxTxN[:, : tokens.shape[1]]
+            leaf_nT = np.cumsum(out["leaf_log_scale"].astype(np.float64), 1)
+            log_nTN = np.log(out["prefix"].astype(np.float64)) + (out["prefix_log_scale"] + leaf_nT)[..., None]
+            return log_nTN[:, : tokens.shape[1]]
 
     def span_posteriors(self, tokens, lengths) -> np.ndarray:
         """float[n, T, T+1, N]: P(A spans [i, j) | x) at [b, i, j, A], by inside-outside (NaN if P(x) = 0)."""
         tokens, lengths = self._check(tokens, lengths)
         n, T = tokens.shape
-        post_nxTxTxN = self._run("posteriors", tokens, lengths)["post"]
-        out = np.zeros((n, T, T + 1, self.num_nonterminals), post_nxTxTxN.dtype)
+        post_nTTN = self._run("posteriors", tokens, lengths)["post"]
+        out = np.zeros((n, T, T + 1, self.num_nonterminals), post_nTTN.dtype)
         for i in range(T):
-            out[:, i, i + 1: T + 1] = post_nxTxTxN[:, i, : T - i]
+            out[:, i, i + 1: T + 1] = post_nTTN[:, i, : T - i]
         return out
 
     def length_distribution(self, max_length: int | None = None) -> np.ndarray:
@@ -219,11 +219,11 @@ class PCFG:
         tokens, lengths = self._check(tokens, lengths)
         rows_n, k_n = np.arange(len(lengths)), tasks.span_ends(task, lengths, prefix)
         if definition == "released":
-            score_nxN = self._run("forward", tokens, lengths)["prefix"][rows_n, k_n - 1]
+            score_nN = self._run("forward", tokens, lengths)["prefix"][rows_n, k_n - 1]
         else:
             post = self._run("posteriors", tokens, lengths)["post"]  # [n, start, width - 1, N]
-            score_nxN = post[rows_n, 0, k_n - 1]
-        return tasks.best_label(score_nxN, tasks.label_ids(task, self.root))
+            score_nN = post[rows_n, 0, k_n - 1]
+        return tasks.best_label(score_nN, tasks.label_ids(task, self.root))
 
     def sample_task(self, n: int, seed: int, task: str, definition: str = "released",
                     prefix: int | None = None, min_length: int = 5, max_length: int = 31
@@ -252,11 +252,11 @@ class PCFG:
         return self._engine.run(kind, tokens, lengths, self.batch_size, self.bucket_lengths)
 
 
-def _longest_sentence(root_N, binary_NxNxN, emit_NxV) -> int | None:
+def _longest_sentence(root_N, binary_NNN, emit_NV) -> int | None:
     """Longest derivable sentence from the root, 0 if none, None if unbounded (a reachable cycle)."""
     N = root_N.size
-    rule_N = binary_NxNxN > 0
-    productive = emit_NxV.sum(1) > 0
+    rule_N = binary_NNN > 0
+    productive = emit_NV.sum(1) > 0
     while True:
         grown = productive | np.any(rule_N & productive[None, :, None] & productive[None, None, :], axis=(1, 2))
         if np.array_equal(grown, productive):
@@ -271,14 +271,14 @@ def _longest_sentence(root_N, binary_NxNxN, emit_NxV) -> int | None:
         reach = grown
     if not reach.any():
         return 0
-    longest = np.where(productive & (emit_NxV.sum(1) > 0), 1.0, -np.inf)
+    longest = np.where(productive & (emit_NV.sum(1) > 0), 1.0, -np.inf)
     for _ in range(N + 2):
         best = np.full(N, -np.inf)
         for A in np.flatnonzero(reach):
             B, C = np.nonzero(useful_rule[A])
             if B.size:
                 best[A] = (longest[B] + longest[C]).max()
-        new = np.where(reach, np.maximum(np.where(emit_NxV.sum(1) > 0, 1.0, -np.inf), best), -np.inf)
+        new = np.where(reach, np.maximum(np.where(emit_NV.sum(1) > 0, 1.0, -np.inf), best), -np.inf)
         if np.array_equal(new, longest):
             return int(new[(root_N > 0) & reach].max())
         longest = new

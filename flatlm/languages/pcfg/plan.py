@@ -45,46 +45,46 @@ class Plan:
     Takes the grammar's arrays `root[N]`, `binary[N, N, N]`, `emit[N, V]` (see `PCFG`).
     """
 
-    def __init__(self, root_N, binary_NxNxN, emit_NxV, T: int, dtype):
+    def __init__(self, root_N, binary_NNN, emit_NV, T: int, dtype):
         self.T, self.dtype = T, np.dtype(dtype)
         N = int(root_N.size)
-        rule_NxNxN = binary_NxNxN > 0
-        feas_TxN = np.zeros((T + 1, N), bool)
-        feas_TxN[1] = emit_NxV.sum(1) > 0
+        rule_NNN = binary_NNN > 0
+        feas_TN = np.zeros((T + 1, N), bool)
+        feas_TN[1] = emit_NV.sum(1) > 0
         for w in range(2, T + 1):
             for d in range(1, w):
-                ok_NxN = feas_TxN[d][:, None] & feas_TxN[w - d][None, :]
-                feas_TxN[w] |= np.any(rule_NxNxN & ok_NxN[None], axis=(1, 2))
-        self.feasible = feas_TxN
+                ok_NN = feas_TN[d][:, None] & feas_TN[w - d][None, :]
+                feas_TN[w] |= np.any(rule_NNN & ok_NN[None], axis=(1, 2))
+        self.feasible = feas_TN
         self.widths: dict[int, Width] = {}
         consts = {"G": {}}
         for w in range(2, T + 1):
-            parents = np.flatnonzero(feas_TxN[w])
+            parents = np.flatnonzero(feas_TN[w])
             if parents.size == 0:
                 continue
-            used_NxN = np.any(rule_NxNxN[parents], axis=0)
-            split_DxNxN = np.stack([used_NxN & feas_TxN[d][:, None] & feas_TxN[w - d][None, :]
-                                    for d in range(1, w)])  # pairs usable at split d = 1..w-1
-            splits = np.flatnonzero(split_DxNxN.any((1, 2))) + 1
-            pairs_NxN = split_DxNxN.any(0)
+            used_NN = np.any(rule_NNN[parents], axis=0)
+            split_DNN = np.stack([used_NN & feas_TN[d][:, None] & feas_TN[w - d][None, :]
+                                  for d in range(1, w)])  # pairs usable at split d = 1..w-1
+            splits = np.flatnonzero(split_DNN.any((1, 2))) + 1
+            pairs_NN = split_DNN.any(0)
             blocks, cols = [], []
-            for B_set, C_set in _merge_small(_components(pairs_NxN)):
+            for B_set, C_set in _merge_small(_components(pairs_NN)):
                 l0, l1, r0, r1 = B_set.min(), B_set.max() + 1, C_set.min(), C_set.max() + 1
-                own_NxN = np.zeros((N, N), bool)  # each rule counted in exactly one block
-                own_NxN[np.ix_(B_set, C_set)] = pairs_NxN[np.ix_(B_set, C_set)]
-                d_used = np.flatnonzero((split_DxNxN & own_NxN).any((1, 2))) + 1
-                G_NxLxR = np.where(own_NxN[None, l0:l1, r0:r1], binary_NxNxN[:, l0:l1, r0:r1], 0.0)
-                G_NxLxR[~feas_TxN[w]] = 0.0
+                own_NN = np.zeros((N, N), bool)  # each rule counted in exactly one block
+                own_NN[np.ix_(B_set, C_set)] = pairs_NN[np.ix_(B_set, C_set)]
+                d_used = np.flatnonzero((split_DNN & own_NN).any((1, 2))) + 1
+                G_NLR = np.where(own_NN[None, l0:l1, r0:r1], binary_NNN[:, l0:l1, r0:r1], 0.0)
+                G_NLR[~feas_TN[w]] = 0.0
                 blocks.append(Block(int(l0), int(l1), int(r0), int(r1), int(d_used.min()), int(d_used.max())))
-                cols.append(G_NxLxR.reshape(N, -1).T)
+                cols.append(G_NLR.reshape(N, -1).T)
             self.widths[w] = Width(int(splits.min()), int(splits.max()), blocks)
             consts["G"][w] = jnp.asarray(np.concatenate(cols, 0), dtype)  # [sum of block sizes, N]
-        self.N, self.V = N, int(emit_NxV.shape[1])
-        self.leaf_total = emit_NxV.sum(1)
+        self.N, self.V = N, int(emit_NV.shape[1])
+        self.leaf_total = emit_NV.sum(1)
         consts["root"] = jnp.asarray(root_N, dtype)
-        emit_ext = np.concatenate([emit_NxV.T, np.zeros((1, N)), emit_NxV.sum(1)[None]], 0)  # words, pad, mask
+        emit_ext = np.concatenate([emit_NV.T, np.zeros((1, N)), emit_NV.sum(1)[None]], 0)  # words, pad, mask
         consts["emit_ext"] = jnp.asarray(emit_ext, dtype)
-        consts["emit"] = jnp.asarray(emit_NxV, dtype)  # [N, V]
+        consts["emit"] = jnp.asarray(emit_NV, dtype)  # [N, V]
         consts["leaf_total"] = jnp.asarray(self.leaf_total, dtype)
         self.consts = consts
 
@@ -109,9 +109,9 @@ def _merge_small(groups: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.n
     return groups
 
 
-def _components(pairs_NxN: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+def _components(pairs_NN: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Connected components (left set, right set) of the bipartite graph with an edge B - C per pair."""
-    N = pairs_NxN.shape[0]
+    N = pairs_NN.shape[0]
     parent = list(range(2 * N))  # union-find over left nodes 0..N-1 and right nodes N..2N-1
 
     def find(a: int) -> int:
@@ -120,11 +120,11 @@ def _components(pairs_NxN: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
             a = parent[a]
         return a
 
-    for B, C in zip(*np.nonzero(pairs_NxN)):
+    for B, C in zip(*np.nonzero(pairs_NN)):
         parent[find(int(B))] = find(int(C) + N)
     groups: dict[int, tuple[list, list]] = {}
-    for B in np.flatnonzero(pairs_NxN.any(1)):
+    for B in np.flatnonzero(pairs_NN.any(1)):
         groups.setdefault(find(int(B)), ([], []))[0].append(B)
-    for C in np.flatnonzero(pairs_NxN.any(0)):
+    for C in np.flatnonzero(pairs_NN.any(0)):
         groups.setdefault(find(int(C) + N), ([], []))[1].append(C)
     return [(np.asarray(b), np.asarray(c)) for b, c in groups.values()]

@@ -78,29 +78,29 @@ def read_rules(path, sort_words: bool = True) -> tuple[np.ndarray, np.ndarray, n
     if N == 0 or V == 0:
         raise UserError(f"{path}: the grammar needs at least one nonterminal and one word")
     root_N = np.zeros(N)
-    binary_NxNxN = np.zeros((N, N, N))
-    emit_NxV = np.zeros((N, V))
+    binary_NNN = np.zeros((N, N, N))
+    emit_NV = np.zeros((N, V))
     for _, lhs, rhs, prob in entries:
         if fold and lhs == start:
             root_N[nt_index[rhs[0]]] += prob
         elif len(rhs) == 2:
-            binary_NxNxN[nt_index[lhs], nt_index[rhs[0]], nt_index[rhs[1]]] += prob
+            binary_NNN[nt_index[lhs], nt_index[rhs[0]], nt_index[rhs[1]]] += prob
         else:
-            emit_NxV[nt_index[lhs], w_index[rhs[0]]] += prob
+            emit_NV[nt_index[lhs], w_index[rhs[0]]] += prob
     if not fold:
         root_N[nt_index[start]] = 1.0
-    total_N = binary_NxNxN.reshape(N, -1).sum(1) + emit_NxV.sum(1)
+    total_N = binary_NNN.reshape(N, -1).sum(1) + emit_NV.sum(1)
     for A in range(N):
         if total_N[A] <= 0:
             raise UserError(f"{path}: the rules of {nonterminals[A]!r} have total probability 0")
     if root_N.sum() <= 0:
         raise UserError(f"{path}: the start symbol's rules have total probability 0")
-    binary_NxNxN /= total_N[:, None, None]
-    emit_NxV /= total_N[:, None]
-    return root_N / root_N.sum(), binary_NxNxN, emit_NxV, nonterminals, words
+    binary_NNN /= total_N[:, None, None]
+    emit_NV /= total_N[:, None]
+    return root_N / root_N.sum(), binary_NNN, emit_NV, nonterminals, words
 
 
-def write_rules(path, root_N, binary_NxNxN, emit_NxV, nonterminals: list[str], words: list[str]) -> None:
+def write_rules(path, root_N, binary_NNN, emit_NV, nonterminals: list[str], words: list[str]) -> None:
     """Write the released format: `S A p` root lines, then `A B C p` and `A w p` (exact float repr).
 
     The start symbol is named S (with `_` appended while it clashes with a symbol). Raises ValueError for
@@ -118,9 +118,9 @@ def write_rules(path, root_N, binary_NxNxN, emit_NxV, nonterminals: list[str], w
         start += "_"
     lines = [f"{start} {nonterminals[A]} {float(root_N[A])!r}" for A in np.flatnonzero(root_N)]
     for A, name in enumerate(nonterminals):
-        for B, C in zip(*np.nonzero(binary_NxNxN[A])):
-            lines.append(f"{name} {nonterminals[B]} {nonterminals[C]} {float(binary_NxNxN[A, B, C])!r}")
-        for w in np.flatnonzero(emit_NxV[A]):
-            lines.append(f"{name} {words[w]} {float(emit_NxV[A, w])!r}")
+        for B, C in zip(*np.nonzero(binary_NNN[A])):
+            lines.append(f"{name} {nonterminals[B]} {nonterminals[C]} {float(binary_NNN[A, B, C])!r}")
+        for w in np.flatnonzero(emit_NV[A]):
+            lines.append(f"{name} {words[w]} {float(emit_NV[A, w])!r}")
     with open(os.fspath(path), "w") as f:
         f.write("\n".join(lines) + "\n")

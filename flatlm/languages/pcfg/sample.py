@@ -16,16 +16,16 @@ class Sampler:
     Built from the grammar's arrays `root[N]`, `binary[N, N, N]`, `emit[N, V]` (see `PCFG`).
     """
 
-    def __init__(self, root_N, binary_NxNxN, emit_NxV):
-        N, V = int(root_N.size), int(emit_NxV.shape[1])
+    def __init__(self, root_N, binary_NNN, emit_NV):
+        N, V = int(root_N.size), int(emit_NV.shape[1])
         left, right, word, prob = [], [], [], []
         for A in range(N):
-            B, C = np.nonzero(binary_NxNxN[A])
-            w = np.flatnonzero(emit_NxV[A])
+            B, C = np.nonzero(binary_NNN[A])
+            w = np.flatnonzero(emit_NV[A])
             left += list(B) + [-1] * w.size
             right += list(C) + [-1] * w.size
             word += [-1] * B.size + list(w)
-            p = np.concatenate([binary_NxNxN[A][B, C], emit_NxV[A][w]])
+            p = np.concatenate([binary_NNN[A][B, C], emit_NV[A][w]])
             c = np.cumsum(p) / p.sum()
             c[-1] = 1.0
             prob += list(A + c)

@@ -53,16 +53,16 @@ def span_ends(task: str, lengths_n: np.ndarray, prefix: int | None = None) -> np
     return np.full(len(lengths_n), k)
 
 
-def best_label(score_nxN: np.ndarray, ids_K: np.ndarray) -> np.ndarray:
+def best_label(score_nN: np.ndarray, ids_K: np.ndarray) -> np.ndarray:
     """int32[n] argmax over the label ids of score[:, ids], ties (within rounding) to the lowest label id.
 
     Scores within relative 1e-5 (float32; 1e-10 for float64) of the best count as tied, so that
     mathematically equal scores resolve the same way whatever the rounding of the scaled chart.
     """
-    score_nxK = score_nxN[:, ids_K].astype(np.float64)
-    tol = 1e-10 if score_nxN.dtype == np.float64 else 1e-5  # rounding of the scaled chart
-    best_nx1 = score_nxK.max(1, keepdims=True)
-    return np.argmax(score_nxK >= best_nx1 * (1 - tol), axis=1).astype(np.int32)
+    score_nK = score_nN[:, ids_K].astype(np.float64)
+    tol = 1e-10 if score_nN.dtype == np.float64 else 1e-5  # rounding of the scaled chart
+    best_n1 = score_nK.max(1, keepdims=True)
+    return np.argmax(score_nK >= best_n1 * (1 - tol), axis=1).astype(np.int32)
 
 
 def sample_lengths(sample: Callable[[int, int], Corpus], n: int, seed: int, p: float, min_length: int,
