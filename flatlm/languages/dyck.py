@@ -48,13 +48,14 @@ def signs(tokens_BT: np.ndarray) -> np.ndarray:
 
 
 def g_star(tokens_BT: np.ndarray) -> np.ndarray:
-    """Downstream target float64[B]: #close - #open (= -sum of signs)."""
+    """Downstream target float64[B]: #close - #open (= -sum of signs), the paper's g* (Section 6, eq. (2))."""
     return -signs(tokens_BT).sum(axis=-1)
 
 
 def encode(tokens_BT: np.ndarray, mask_pos_B: np.ndarray | None = None,
            mask_sign_B: np.ndarray | None = None) -> np.ndarray:
-    """Encodings float64[B, T, D = 2T]: s_j e_j for visible brackets, sigma e_{t+T} at the masked position t."""
+    """Encodings float64[B, T, D = 2T]: s_j e_j for visible brackets, sigma e_{t+T} at the masked position t,
+    sigma = mask_sign_B (uniform on +-1 in pre-training; Section 6, "Encoding of the Inputs")."""
     tokens_BT = np.asarray(tokens_BT)
     B, T = tokens_BT.shape
     x_BTD = np.zeros((B, T, 2 * T))
@@ -165,10 +166,12 @@ class Dyck:
 
     @property
     def vocab_size(self) -> int:
+        """V = 2: the brackets OPEN = 0 and CLOSE = 1."""
         return 2
 
     @property
     def max_length(self) -> int:
+        """T: every sentence has exactly T brackets."""
         return self.length
 
     def sample(self, n: int, seed: int) -> Corpus:

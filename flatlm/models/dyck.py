@@ -58,3 +58,9 @@ def loss(params: Params, batch) -> jax.Array:
     """Weighted squared loss sum_b w_b (f_b - y_b)^2: the population loss for an enumerated batch."""
     err_B = apply(params, batch["x"]) - batch["y"]
     return jnp.sum(batch["w"] * err_B**2)
+
+
+def flat_loss(unravel, batch):
+    """`loss` as a function of one flat parameter vector theta (`unravel` from jax.flatten_util.ravel_pytree):
+    Hessians and their traces are taken over all of (Q, K, V, u) at once."""
+    return lambda theta: loss(unravel(theta), batch)
