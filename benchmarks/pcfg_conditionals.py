@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.languages.pcfg import PCFG, dense_grammar, random_grammar
+from flatlm.languages.pcfg.engine import bucket
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -60,12 +61,12 @@ def executed_flops(g: PCFG, lengths: np.ndarray) -> float:
 
 
 def pcfg_bucket(g: PCFG, length: int) -> int:
-    from flatlm.languages.pcfg import _bucket
-
-    return _bucket(length) if g.bucket_lengths else g.max_length
+    """The chart size `conditionals` uses for a chunk whose longest sentence has `length` words."""
+    return bucket(length) if g.bucket_lengths else g.max_length
 
 
 def bench_conditionals(g: PCFG, tokens, lengths, repeats: int) -> dict:
+    """Best-of-`repeats` time of `g.conditionals` on this batch, its compile time and executed GFLOP/s."""
     first = _timed(lambda: g.conditionals(tokens, lengths))
     best = min(_timed(lambda: g.conditionals(tokens, lengths)) for _ in range(repeats))
     flops = executed_flops(g, lengths)
@@ -75,6 +76,7 @@ def bench_conditionals(g: PCFG, tokens, lengths, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run the benchmark rows and print them as a table (or one JSON object with --json); returns 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rules", help="released-format rules file (default: random_grammar(0))")
     p.add_argument("--batch", type=int, default=1024, help="sentences per conditionals call")

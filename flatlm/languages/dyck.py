@@ -42,39 +42,40 @@ def check_length(T: int, enumerate_: bool = False) -> None:
         )
 
 
-def signs(tokens_BxT: np.ndarray) -> np.ndarray:
+def signs(tokens_BT: np.ndarray) -> np.ndarray:
     """Bracket signs float64[B, T]: +1 for open, -1 for close."""
-    return np.where(np.asarray(tokens_BxT) == OPEN, 1.0, -1.0)
+    return np.where(np.asarray(tokens_BT) == OPEN, 1.0, -1.0)
 
 
-def g_star(tokens_BxT: np.ndarray) -> np.ndarray:
-    """Downstream target float64[B]: #close - #open (= -sum of signs)."""
-    return -signs(tokens_BxT).sum(axis=-1)
+def g_star(tokens_BT: np.ndarray) -> np.ndarray:
+    """Downstream target float64[B]: #close - #open (= -sum of signs), the paper's g* (Section 6, eq. (2))."""
+    return -signs(tokens_BT).sum(axis=-1)
 
 
-def encode(tokens_BxT: np.ndarray, mask_pos_B: np.ndarray | None = None,
+def encode(tokens_BT: np.ndarray, mask_pos_B: np.ndarray | None = None,
            mask_sign_B: np.ndarray | None = None) -> np.ndarray:
-    """Encodings float64[B, T, 2T]: s_j e_j for visible brackets, sigma e_{t+T} at the masked position t."""
-    tokens_BxT = np.asarray(tokens_BxT)
-    B, T = tokens_BxT.shape
-    x_BxTx2T = np.zeros((B, T, 2 * T))
+    """Encodings float64[B, T, D = 2T]: s_j e_j for visible brackets, sigma e_{t+T} at the masked position t,
+    sigma = mask_sign_B (uniform on +-1 in pre-training; Section 6, "Encoding of the Inputs")."""
+    tokens_BT = np.asarray(tokens_BT)
+    B, T = tokens_BT.shape
+    x_BTD = np.zeros((B, T, 2 * T))
     pos_T = np.arange(T)
-    x_BxTx2T[:, pos_T, pos_T] = signs(tokens_BxT)
+    x_BTD[:, pos_T, pos_T] = signs(tokens_BT)
     if mask_pos_B is not None:
         rows_B = np.arange(B)
-        x_BxTx2T[rows_B, mask_pos_B, mask_pos_B] = 0.0
-        x_BxTx2T[rows_B, mask_pos_B, mask_pos_B + T] = mask_sign_B
-    return x_BxTx2T
+        x_BTD[rows_B, mask_pos_B, mask_pos_B] = 0.0
+        x_BTD[rows_B, mask_pos_B, mask_pos_B + T] = mask_sign_B
+    return x_BTD
 
 
 def balanced_strings(T: int) -> np.ndarray:
     """All C(T, T/2) strings with T/2 opens, int8[C, T], in lexicographic order of the open positions."""
     check_length(T)
     combos = list(itertools.combinations(range(T), T // 2))
-    tokens_CxT = np.full((len(combos), T), CLOSE, dtype=np.int8)
+    tokens_CT = np.full((len(combos), T), CLOSE, dtype=np.int8)
     for i, opens in enumerate(combos):
-        tokens_CxT[i, list(opens)] = OPEN
-    return tokens_CxT
+        tokens_CT[i, list(opens)] = OPEN
+    return tokens_CT
 
 
 def all_strings(T: int) -> np.ndarray:
@@ -83,26 +84,26 @@ def all_strings(T: int) -> np.ndarray:
     return ((codes_N[:, None] >> np.arange(T)[None, :]) & 1).astype(np.int8)
 
 
-def _pretrain_batch(tokens_BxT, mask_pos_B, mask_sign_B) -> Batch:
-    B = tokens_BxT.shape[0]
-    y_B = signs(tokens_BxT)[np.arange(B), mask_pos_B]
+def _pretrain_batch(tokens_BT, mask_pos_B, mask_sign_B) -> Batch:
+    B = tokens_BT.shape[0]
+    y_B = signs(tokens_BT)[np.arange(B), mask_pos_B]
     return {
-        "x": encode(tokens_BxT, mask_pos_B, mask_sign_B),
+        "x": encode(tokens_BT, mask_pos_B, mask_sign_B),
         "y": y_B,
         "w": np.full(B, 1.0 / B),
-        "tokens": tokens_BxT.astype(np.int8),
+        "tokens": tokens_BT.astype(np.int8),
         "mask_pos": mask_pos_B.astype(np.int32),
         "mask_sign": mask_sign_B.astype(np.float64),
     }
 
 
-def _downstream_batch(tokens_BxT) -> Batch:
-    B = tokens_BxT.shape[0]
+def _downstream_batch(tokens_BT) -> Batch:
+    B = tokens_BT.shape[0]
     return {
-        "x": encode(tokens_BxT),
-        "y": g_star(tokens_BxT),
+        "x": encode(tokens_BT),
+        "y": g_star(tokens_BT),
         "w": np.full(B, 1.0 / B),
-        "tokens": tokens_BxT.astype(np.int8),
+        "tokens": tokens_BT.astype(np.int8),
         "mask_pos": np.full(B, -1, np.int32),
         "mask_sign": np.zeros(B),
     }
@@ -111,9 +112,9 @@ def _downstream_batch(tokens_BxT) -> Batch:
 def pretrain_population(T: int) -> Batch:
     """Every (string, masked position, mask sign) outcome once, uniform weights: T * C(T, T/2) * 2 rows."""
     check_length(T, enumerate_=True)
-    strings_CxT = balanced_strings(T)
-    C = strings_CxT.shape[0]
-    tokens = np.repeat(strings_CxT, 2 * T, axis=0)
+    strings_CT = balanced_strings(T)
+    C = strings_CT.shape[0]
+    tokens = np.repeat(strings_CT, 2 * T, axis=0)
     mask_pos = np.tile(np.repeat(np.arange(T), 2), C)
     mask_sign = np.tile(np.array([1.0, -1.0]), C * T)
     return _pretrain_batch(tokens, mask_pos, mask_sign)
@@ -165,10 +166,12 @@ class Dyck:
 
     @property
     def vocab_size(self) -> int:
+        """V = 2: the brackets OPEN = 0 and CLOSE = 1."""
         return 2
 
     @property
     def max_length(self) -> int:
+        """T: every sentence has exactly T brackets."""
         return self.length
 
     def sample(self, n: int, seed: int) -> Corpus:
@@ -189,9 +192,9 @@ class Dyck:
         tokens = np.asarray(tokens)
         T = self.length
         opens_B = (tokens[:, :T] == OPEN).sum(-1)
-        opens_visible_BxT = opens_B[:, None] - (tokens[:, :T] == OPEN)
-        need_open_BxT = T // 2 - opens_visible_BxT  # 1 -> the masked bracket is open, 0 -> close
+        opens_visible_BT = opens_B[:, None] - (tokens[:, :T] == OPEN)
+        need_open_BT = T // 2 - opens_visible_BT  # 1 -> the masked bracket is open, 0 -> close
         q = np.full(tokens.shape[:1] + (T, 2), np.nan)
-        q[..., OPEN] = np.where(need_open_BxT == 1, 1.0, np.where(need_open_BxT == 0, 0.0, np.nan))
+        q[..., OPEN] = np.where(need_open_BT == 1, 1.0, np.where(need_open_BT == 0, 0.0, np.nan))
         q[..., CLOSE] = 1.0 - q[..., OPEN]
         return q

@@ -30,31 +30,37 @@ def init_params(key: jax.Array, T: int, m: int, d_attn: int = 0, v_std: float = 
     }
 
 
-def attention(params: Params, x_BxTxD: jax.Array) -> jax.Array:
-    """Attention weights a_BxT of the first position over all positions (rows sum to 1)."""
-    M_DxD = params["Q"].T @ params["K"]  # (Q x_1)^T (K x_j) = x_1^T Q^T K x_j
-    q_BxD = x_BxTxD[:, 0, :] @ M_DxD
-    scores_BxT = jnp.einsum("bd,btd->bt", q_BxD, x_BxTxD)
-    return jax.nn.softmax(scores_BxT, axis=-1)
+def attention(params: Params, x_BTD: jax.Array) -> jax.Array:
+    """Attention weights a_BT of the first position over all positions (rows sum to 1)."""
+    M_DD = params["Q"].T @ params["K"]  # (Q x_1)^T (K x_j) = x_1^T Q^T K x_j
+    q_BD = x_BTD[:, 0, :] @ M_DD
+    scores_BT = jnp.einsum("bd,btd->bt", q_BD, x_BTD)
+    return jax.nn.softmax(scores_BT, axis=-1)
 
 
-def pooled(params: Params, x_BxTxD: jax.Array) -> jax.Array:
-    """Attention-pooled input xbar_BxD = sum_j a_1j x_j (V is linear, so sum_j a_1j V x_j = V xbar)."""
-    return jnp.einsum("bt,btd->bd", attention(params, x_BxTxD), x_BxTxD)
+def pooled(params: Params, x_BTD: jax.Array) -> jax.Array:
+    """Attention-pooled input xbar_BD = sum_j a_1j x_j (V is linear, so sum_j a_1j V x_j = V xbar)."""
+    return jnp.einsum("bt,btd->bd", attention(params, x_BTD), x_BTD)
 
 
-def features(params: Params, x_BxTxD: jax.Array) -> jax.Array:
+def features(params: Params, x_BTD: jax.Array) -> jax.Array:
     """Neuron activations relu(V xbar), [B, m] (the representation the downstream head sees)."""
-    return jax.nn.relu(pooled(params, x_BxTxD) @ params["V"].T)
+    return jax.nn.relu(pooled(params, x_BTD) @ params["V"].T)
 
 
-def apply(params: Params, x_BxTxD: jax.Array) -> jax.Array:
+def apply(params: Params, x_BTD: jax.Array) -> jax.Array:
     """Model output f_B = (1/m) u^T relu(V xbar)."""
     m = params["u"].shape[0]
-    return features(params, x_BxTxD) @ params["u"] / m
+    return features(params, x_BTD) @ params["u"] / m
 
 
 def loss(params: Params, batch) -> jax.Array:
     """Weighted squared loss sum_b w_b (f_b - y_b)^2: the population loss for an enumerated batch."""
     err_B = apply(params, batch["x"]) - batch["y"]
     return jnp.sum(batch["w"] * err_B**2)
+
+
+def flat_loss(unravel, batch):
+    """`loss` as a function of one flat parameter vector theta (`unravel` from jax.flatten_util.ravel_pytree):
+    Hessians and their traces are taken over all of (Q, K, V, u) at once."""
+    return lambda theta: loss(unravel(theta), batch)

@@ -14,7 +14,8 @@ Two constructed zero-loss solutions, width m (even), Q = K = 0 (uniform attentio
   representable; m >= 4T makes it representable for almost every W. `balance=True` rescales each neuron
   (v_i, u_i) -> (c_i v_i, u_i / c_i) to its own trace minimum, which leaves f unchanged.
 Downstream step: keep psi, fit the minimum-norm head u on n downstream samples, report the population squared error
-against g* (exact by enumeration for T <= MAX_ENUM_T).
+against g* (exact by enumeration for T <= MAX_ENUM_T). The SGD steps and the Tr(H) penalty of `train` are in
+`flatlm.theory.dyck_train`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from flatlm.errors import UserError
+from flatlm.flatness import hessian
 from flatlm.languages import dyck as lang
 from flatlm.models import dyck as model
+from flatlm.theory.dyck_train import TrainConfig, check_penalty_method, gauss_newton, run_steps
 
 Params = model.Params
 Batch = lang.Batch
@@ -42,30 +45,26 @@ Batch = lang.Batch
 # Trace of the Hessian: an exact trace of our own (independent of flatlm.flatness), and the shared estimators.
 
 
-def _loss_of_flat(unravel, batch):
-    return lambda theta: model.loss(unravel(theta), batch)
-
-
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def _exact_trace_hvp(params: Params, batch: Batch, chunk: int = 64) -> jax.Array:
     """sum_i e_i^T H e_i: `chunk` basis vectors at a time (vmapped HVPs), the chunks scanned."""
     flat, unravel = ravel_pytree(params)
-    grad_fn = jax.grad(_loss_of_flat(unravel, batch))
+    grad_fn = jax.grad(model.flat_loss(unravel, batch))
     P = flat.shape[0]
     num_chunks = -(-P // chunk)
-    idx_CxK = jnp.arange(num_chunks * chunk).reshape(num_chunks, chunk)
+    idx_CK = jnp.arange(num_chunks * chunk).reshape(num_chunks, chunk)
 
     def diag_entry(i):
         e_P = (jnp.arange(P) == i).astype(flat.dtype)  # all zeros for the padding indices i >= P
         return jax.jvp(grad_fn, (flat,), (e_P,))[1] @ e_P
 
-    return jnp.sum(jax.lax.map(jax.vmap(diag_entry), idx_CxK))
+    return jnp.sum(jax.lax.map(jax.vmap(diag_entry), idx_CK))
 
 
 @jax.jit
 def _exact_trace_dense(params: Params, batch: Batch) -> jax.Array:
     flat, unravel = ravel_pytree(params)
-    return jnp.trace(jax.hessian(_loss_of_flat(unravel, batch))(flat))
+    return jnp.trace(jax.hessian(model.flat_loss(unravel, batch))(flat))
 
 
 def _xyw(batch: Batch) -> Batch:
@@ -97,8 +96,6 @@ def estimator_trace(params: Params, batch: Batch, key: jax.Array, num_probes: in
     """Tr(H) from the shared flatness estimators (`flatlm.flatness.hessian`): a TraceEstimate (.mean, .stderr).
 
     method "hutchinson" (Rademacher probes) or "exact" (its jax.hessian path, stderr 0)."""
-    from flatlm.flatness import hessian
-
     b = _xyw(batch)
     if method == "exact":
         return hessian.exact_trace(model.loss, params, batches=[b])
@@ -117,7 +114,7 @@ _features_jit = jax.jit(model.features)
 
 @jax.jit
 def _gauss_newton_jit(params: Params, batch: Batch) -> jax.Array:
-    return _gauss_newton(params, batch)
+    return gauss_newton(params, batch)
 
 
 def gauss_newton_trace(params: Params, batch: Batch) -> float:
@@ -126,7 +123,8 @@ def gauss_newton_trace(params: Params, batch: Batch) -> float:
 
 
 def flattest_trace(T: int, m: int) -> float:
-    """The smallest Tr(H) of any zero-loss solution of width m: 4 / (m sqrt(T)) (attained by the transferable one)."""
+    """The smallest Tr(H) of any zero-loss solution of width m: 4 / (m sqrt(T)) (attained by the transferable one;
+    the lower bound of the module docstring, cf. Lemma D.1 in Appendix D.1)."""
     return 4.0 / (m * math.sqrt(T))
 
 
@@ -145,7 +143,8 @@ def _zeros_qk(T: int, d_attn: int, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def transferable_solution(T: int, m: int, d_attn: int = 0, dtype=None) -> Params:
-    """Solution (1): uniform attention, neurons +-c [1_T; 0_T] with c = sqrt(2) T^(3/4), u = -+2T/c (zero loss)."""
+    """Solution (1) of Section 6: uniform attention, neurons +-c [1_T; 0_T] with c = sqrt(2) T^(3/4), u = -+2T/c
+    (zero loss; the flattest zero-loss solution, Theorem 6.1)."""
     lang.check_length(T)
     _check_width(T, m)
     dtype = dtype or jnp.zeros(()).dtype
@@ -185,7 +184,8 @@ def balance_neurons(params: Params, batch: Batch) -> Params:
 
 def random_feature_solution(key: jax.Array, T: int, m: int, pretrain: Batch, d_attn: int = 0,
                             v_std: float | None = None, balance: bool = False, dtype=None) -> Params:
-    """Solution (2): uniform attention, V = [W; -W] with W ~ N(0, v_std^2), u the min-norm interpolant of `pretrain`."""
+    """Solution (2) of Section 6: uniform attention, V = [W; -W] with W ~ N(0, v_std^2), u the min-norm interpolant
+    of `pretrain` (random features fit pre-training: Theorem D.6, Appendix D.2)."""
     lang.check_length(T)
     _check_width(T, m, need=4 * T)
     dtype = dtype or jnp.zeros(()).dtype
@@ -244,70 +244,8 @@ def evaluate(params: Params, pretrain: Batch, down_train: list[Batch], down_test
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training from random initialisation: SGD, optionally with an explicit Tr(H) penalty.
-
-
-PENALTY_METHODS = ("gauss_newton", "hutchinson", "exact")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """SGD on mini-batches of the pre-training population. lr is per unit of width: the step is lr * m * grad
-    (the 1/m output scaling makes raw gradients O(1/m)). penalty > 0 adds penalty * Tr(H) of the mini-batch loss:
-    "gauss_newton" (default) its PSD part 2 E||grad f||^2, equal to Tr(H) on the zero-loss set and bounded below
-    (the full Tr(H) is indefinite away from minima, so penalising it can run off to negative curvature);
-    "hutchinson" the full Tr(H) with `penalty_probes` Rademacher probes; "exact" the full Tr(H) (tiny models)."""
-
-    steps: int = 3000
-    lr: float = 0.02
-    batch_size: int = 64
-    penalty: float = 0.0
-    penalty_method: str = "gauss_newton"
-    penalty_probes: int = 4
-    log_every: int = 100
-    d_attn: int = 0
-    v_std: float = 1.0
-    u_std: float = 1.0
-    qk_std: float = 0.1
-
-
-def _gauss_newton(params, mb) -> jax.Array:
-    """2 sum_b w_b ||grad_theta f(x_b)||^2 as a differentiable scalar (PSD part of Tr(H); equal at zero loss)."""
-    grads = jax.vmap(jax.grad(lambda p, x: model.apply(p, x[None])[0]), in_axes=(None, 0))(params, mb["x"])
-    sq_B = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree.leaves(grads))
-    return 2.0 * jnp.sum(mb["w"] * sq_B)
-
-
-def _objective(params, mb, key, cfg: TrainConfig):
-    base = model.loss(params, mb)
-    if cfg.penalty <= 0:
-        return base
-    if cfg.penalty_method == "gauss_newton":
-        return base + cfg.penalty * _gauss_newton(params, mb)
-    flat, unravel = ravel_pytree(params)
-    f = _loss_of_flat(unravel, mb)
-    if cfg.penalty_method == "exact":
-        diag = jax.vmap(lambda e: e @ jax.jvp(jax.grad(f), (flat,), (e,))[1])
-        tr = jnp.sum(diag(jnp.eye(flat.shape[0], dtype=flat.dtype)))
-    else:
-        v_KxP = jax.random.rademacher(key, (cfg.penalty_probes, flat.shape[0]), flat.dtype)
-        tr = jnp.mean(jax.vmap(lambda v: v @ jax.jvp(jax.grad(f), (flat,), (v,))[1])(v_KxP))
-    return base + cfg.penalty * tr
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _run_steps(params: Params, keys: jax.Array, data: Batch, cfg: TrainConfig) -> Params:
-    """len(keys) SGD steps on mini-batches drawn uniformly (with replacement) from `data`, in one dispatch."""
-    n_all, m, bs = data["x"].shape[0], params["u"].shape[0], cfg.batch_size
-
-    def step(params, key):
-        k_idx, k_pen = jax.random.split(key)
-        idx = jax.random.randint(k_idx, (bs,), 0, n_all)
-        mb = {"x": data["x"][idx], "y": data["y"][idx], "w": jnp.full((bs,), 1.0 / bs, data["x"].dtype)}
-        grads = jax.grad(_objective)(params, mb, k_pen, cfg)
-        return jax.tree.map(lambda p, g: p - cfg.lr * m * g, params, grads), None
-
-    return jax.lax.scan(step, params, keys)[0]
+# Training from random initialisation: SGD, optionally with an explicit Tr(H) penalty (the steps and the penalty
+# are in flatlm.theory.dyck_train; here the loop that logs the population quantities between them).
 
 
 def train(key: jax.Array, T: int, m: int, cfg: TrainConfig, pretrain: Batch, down_train: list[Batch],
@@ -315,8 +253,7 @@ def train(key: jax.Array, T: int, m: int, cfg: TrainConfig, pretrain: Batch, dow
     """Train from a Gaussian init; every `log_every` steps record the step, the population pre-training loss,
     Tr(H) (exact; None where `exact_affordable` says no), its Gauss-Newton part 2 E||grad f||^2 (= Tr(H) at zero
     loss), the alignment of V's rows with +-1_T and the downstream loss. `progress(k)` is called after k steps."""
-    if cfg.penalty_method not in PENALTY_METHODS:
-        raise UserError(f"penalty method {cfg.penalty_method!r} is unknown; use one of {', '.join(PENALTY_METHODS)}")
+    check_penalty_method(cfg.penalty_method)
     k_init, k_run = jax.random.split(key)
     params = model.init_params(k_init, T, m, cfg.d_attn, cfg.v_std, cfg.u_std, cfg.qk_std)
     data = _xyw(pretrain)
@@ -341,7 +278,7 @@ def train(key: jax.Array, T: int, m: int, cfg: TrainConfig, pretrain: Batch, dow
     done = 0
     while done < cfg.steps:
         n = min(cfg.log_every, cfg.steps - done)
-        params = _run_steps(params, keys[done + 1:done + 1 + n], data, cfg)
+        params = run_steps(params, keys[done + 1:done + 1 + n], data, cfg)
         done += n
         log(done, params)
         if progress is not None:
@@ -381,8 +318,7 @@ def run_check(T: int = 6, m: int = 0, seeds: Sequence[int] = (0, 1, 2), steps: i
     cfg = dataclasses.replace(train_cfg or TrainConfig(), steps=steps)
     if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.log_every < 1:
         raise UserError("--lr, --batch-size and the log interval must be positive")
-    if cfg.penalty_method not in PENALTY_METHODS:
-        raise UserError(f"penalty method {cfg.penalty_method!r} is unknown; use one of {', '.join(PENALTY_METHODS)}")
+    check_penalty_method(cfg.penalty_method)
     pretrain, down_test, enumerated = populations(T, samples)
     d = cfg.d_attn or 2 * T
     num_params = 2 * d * 2 * T + m * 2 * T + m

@@ -1,0 +1,236 @@
+"""Batched inside / outside in JAX: the scaled inside chart of a batch, its hand-written outside pass, and the
+four kernels built on them (`KERNELS`): forward (P(x) and prefix inside values), conditionals (Appendix A.2's
+true conditionals P(x_t = w | x_-t) for every position and word), span posteriors, and length masses.
+
+Each span keeps its inside vector divided by its maximum, with the log of that scale beside it, so float32
+is exact to rounding and the grammar's exact zeros stay exact zeros. The chart is linear in each position's
+leaf vector, so the derivative of the root value with respect to the leaf vectors -- the outside pass, the
+mirror image of the inside pass -- gives P(x_-t, x_t = w) / P(x) for every t and w at once. A kernel takes a
+`Plan` (static, bound with functools.partial before jit) and its `consts`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flatlm.languages.pcfg.plan import Plan, Width
+
+
+def _tree(op, xs: list):
+    """op-reduce a list of equal-shape arrays pairwise; XLA fuses it into one elementwise loop."""
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
+_TREE_TERMS = 16  # contractions over at most this many terms are unrolled; longer ones use dot_general
+
+
+def _normalise(new_IBN):
+    """Divide each span's vector by its max (an all-zero span keeps scale 1). Returns (scaled, scale [I, B])."""
+    s_IB = jax.lax.stop_gradient(new_IBN.max(-1))
+    s_IB = jnp.where(s_IB > 0, s_IB, 1)
+    return new_IBN / s_IB[..., None], s_IB
+
+
+def _read(x, start: tuple[int, ...], size: tuple[int, ...]):
+    return jax.lax.slice(x, start, tuple(a + b for a, b in zip(start, size)))
+
+
+def _add(x, start: tuple[int, ...], y):
+    """x with y added into the box at `start` (in place under XLA)."""
+    return jax.lax.dynamic_update_slice(x, _read(x, start, y.shape) + y, start)
+
+
+def _dot(a, b):
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+_NEG = -1e30  # log scale of widths no nonterminal can span: their split weight exp(_NEG - top) is 0
+
+
+class Chart:
+    """The scaled inside chart of a batch, plus the outside pass written by hand.
+
+    by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as [N + 1]:
+    beta' [N] and, last, the log scale: inside = beta' * exp(log scale + the span's leaf log scales).
+    Children of span [i, i+w) at split d: left [i, i+d) = by_start[i, :, d-1], right [i+d, i+w) =
+    by_end[i+w-1, :, w-d-1], so all starts i and splits d0..d1 of one width are two rectangular slices
+    [I, B, D, N + 1], batch dims leading.
+
+    Shape letters: T words, B sentences, N nonterminals, I starts of spans of one width, D splits, L and R
+    a block's left and right children, P child pairs (summed over blocks), E = N + 1 (beta' and the log
+    scale), M = I * B rows.
+    """
+
+    def __init__(self, plan: Plan, consts, leaf_TBN):
+        T, B, N = leaf_TBN.shape
+        dtype = leaf_TBN.dtype
+        self.plan, self.consts, self.T, self.B, self.N = plan, consts, T, B, N
+        beta_TBN, s_TB = _normalise(leaf_TBN)
+        self.scale = {1: s_TB}  # per width: the normaliser [I, B] of each span
+        # Leaves start at log scale 0 and their own scales are kept apart (inside = beta' * exp(chart log
+        # scale + sum of the span's leaf log scales)): the chart's log scales then stay small, so float32
+        # resolves the split weights exp(lsum - top) to ~1e-7 even in long sentences.
+        self.leaf_log_TB = jnp.log(s_TB)
+        leaf_TB1E = jnp.concatenate([beta_TBN, jnp.zeros((T, B, 1), dtype)], -1)[:, :, None]
+        empty = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), jnp.full((T, B, T - 1, 1), _NEG, dtype)], -1)
+        # Two different expressions, so that XLA does not merge them and then copy to update both in place.
+        self.by_start = jnp.concatenate([leaf_TB1E, empty], 2)
+        self.by_end = jnp.concatenate([empty, leaf_TB1E], 2)[:, :, ::-1]
+        for w in range(2, T + 1):
+            self._width(w)
+
+    def children(self, w: int, spec: Width):
+        """left * f, right [I, B, D, N] (beta') for splits d0..d1, split weights f [I, B, D], and their max
+        log scale top [I, B]. (The outside pass reads them again from the final chart: keeping the forward
+        slices alive would make XLA copy the whole chart at every later in-place update.)"""
+        I, D, B, N = self.T - w + 1, spec.d1 - spec.d0 + 1, self.B, self.N
+        left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N + 1))
+        right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N + 1)), (2,))
+        lsum_IBD = left[..., N] + right[..., N]
+        top_IB = lsum_IBD.max(-1)
+        f_IBD = jnp.exp(lsum_IBD - top_IB[..., None])
+        # Materialise the two operands contiguously: the outer products below read each many times.
+        left, right = jax.lax.optimization_barrier((left[..., :N] * f_IBD[..., None], right[..., :N]))
+        return left, right, f_IBD, top_IB
+
+    def _width(self, w: int) -> None:
+        spec = self.plan.widths.get(w)
+        if spec is None:  # no nonterminal spans w words: the zeros (and _NEG log scales) stay
+            self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
+            return
+        I, B, N = self.T - w + 1, self.B, self.N
+        left, right, _, top_IB = self.children(w, spec)
+        pairs = []
+        for k in spec.blocks:
+            outer_IBLR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
+                                         * right[:, :, d - spec.d0, None, k.r0:k.r1]
+                                         for d in range(k.d0, k.d1 + 1)])
+            pairs.append(outer_IBLR.reshape(I * B, -1))
+        pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
+        new_IBN = _dot(pairs_MP, self.consts["G"][w]).reshape(I, B, N)
+        beta_IBN, s_IB = _normalise(new_IBN)
+        self.scale[w] = s_IB
+        new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None]], -1)[:, :, None]
+        self.by_start = jax.lax.dynamic_update_slice(self.by_start, new_IB1E, (0, 0, w - 1, 0))
+        self.by_end = jax.lax.dynamic_update_slice(self.by_end, new_IB1E, (w - 1, 0, w - 1, 0))
+
+    def prefixes(self):
+        """beta' [B, T, N] and log scale [B, T] of the prefix spans [0, k), k = 1..T."""
+        return self.by_start[0, :, :, : self.N], self.by_start[0, :, :, self.N]
+
+    def width(self, w: int):
+        """beta' [I, B, N] of all spans of width w."""
+        return self.by_start[: self.T - w + 1, :, w - 1, : self.N]
+
+    def root_value(self, lengths_B):
+        """z [B] (scaled) and log scale [B] with P(x) = z exp(scale + sum of leaf log scales), and the
+        one-hot sel [B, T] of length - 1."""
+        prefix_BTN, log_BT = self.prefixes()
+        sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
+        z_BT = _dot(prefix_BTN, self.consts["root"])
+        return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
+
+    def outside(self, sel_BT, on_width=None):
+        """The outside pass: d z / d beta' for every span, widths T..1 (z = the scaled root value).
+
+        Returns d z / d leaf [T, B, N]; `on_width(w, adj [I, B, N])` sees each width's adjoint.
+        """
+        T, B, N = self.T, self.B, self.N
+        dtype = self.by_start.dtype
+        adj_start = jnp.zeros((T, B, T, N), dtype)  # contributions as a left child, by start
+        adj_end = jnp.zeros((T + 1, B, T, N), dtype)[1:]  # as a right child, by end (kept apart from the above)
+        for w in range(T, 0, -1):
+            I = T - w + 1
+            adj_IBN = adj_start[:I, :, w - 1] + adj_end[w - 1:, :, w - 1]
+            adj_IBN = adj_IBN.at[0].add(sel_BT[:, w - 1, None] * self.consts["root"])
+            if on_width is not None:
+                on_width(w, adj_IBN)
+            if w == 1:
+                return adj_IBN / self.scale[1][..., None]
+            spec = self.plan.widths.get(w)
+            if spec is None:
+                continue
+            h_IBP = _dot(adj_IBN / self.scale[w][..., None], self.consts["G"][w].T)
+            left, right, f_IBD, _ = self.children(w, spec)
+            p = 0
+            for k in spec.blocks:
+                L, R, a, b = k.l1 - k.l0, k.r1 - k.r0, k.d0 - spec.d0, k.d1 - spec.d0 + 1
+                h_IBLR = h_IBP[..., p: p + L * R].reshape(I, B, L, R)
+                p += L * R
+                rk, lk = right[:, :, a:b, k.r0:k.r1], left[:, :, a:b, k.l0:k.l1]
+                if R <= _TREE_TERMS:  # d z / d left[l] = sum_r h[l, r] right[r]
+                    h_IBRL = jnp.swapaxes(h_IBLR, 2, 3)
+                    gl = _tree(jnp.add, [h_IBRL[:, :, None, r] * rk[..., r, None] for r in range(R)])
+                else:
+                    gl = jnp.einsum("ibdr,iblr->ibdl", rk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
+                if L <= _TREE_TERMS:  # d z / d right[r] = sum_l h[l, r] left[l]
+                    gr = _tree(jnp.add, [h_IBLR[:, :, None, l] * lk[..., l, None] for l in range(L)])
+                else:
+                    gr = jnp.einsum("ibdl,iblr->ibdr", lk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
+                adj_start = _add(adj_start, (0, 0, spec.d0 - 1 + a, k.l0), gl * f_IBD[:, :, a:b, None])
+                adj_end = _add(adj_end, (w - 1, 0, w - spec.d0 - b, k.r0), jax.lax.rev(gr, (2,)))
+        raise AssertionError("unreachable")
+
+
+def _leaves(consts, tokens_BT):
+    """Leaf vectors [T, B, N]: emit[:, w] per word, zeros for pad (id V), emit.sum(1) for mask (id V + 1)."""
+    return consts["emit_ext"][tokens_BT.T]  # [T, B, N]
+
+
+def _kernel_forward(plan: Plan, consts, tokens_BT, lengths_B):
+    """The inside pass: scaled P(x) and the prefix spans' inside vectors, with their log scales."""
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
+    z_B, log_B, _ = chart.root_value(lengths_B)
+    prefix_BTN, prefix_log_BT = chart.prefixes()
+    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BTN, "prefix_log_scale": prefix_log_BT,
+            "leaf_log_scale": chart.leaf_log_TB.T}
+
+
+def _kernel_conditionals(plan: Plan, consts, tokens_BT, lengths_B):
+    """q [B, T, V] = P(x_t = w | x_-t) (Appendix A.2), zero beyond each length and where no sentence fits."""
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
+    _, _, sel_BT = chart.root_value(lengths_B)
+    # The chart is linear in each leaf: (d z / d leaf[t]) . emit[:, w] = P(x_-t, x_t = w) * (a per-sentence
+    # constant, the inverse of all the chart's scales), which the normalisation over w removes.
+    g_TBN = chart.outside(sel_BT)
+    T = tokens_BT.shape[1]
+    joint_BTV = _dot(jnp.swapaxes(g_TBN, 0, 1), consts["emit"])
+    total_BT = joint_BTV.sum(-1)
+    valid_BT = (total_BT > 0) & (jnp.arange(T)[None, :] < lengths_B[:, None])
+    q_BTV = joint_BTV / jnp.where(valid_BT, total_BT, 1)[..., None]
+    return {"q": jnp.where(valid_BT[..., None], jnp.maximum(q_BTV, 0), 0)}
+
+
+def _kernel_posteriors(plan: Plan, consts, tokens_BT, lengths_B):
+    """P(A spans [i, i + w) | x) by inside-outside, as post [B, start, width - 1, N]."""
+    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
+    z_B, _, sel_BT = chart.root_value(lengths_B)
+    T = chart.T
+    post = {}
+
+    def on_width(w, adj_IBN):  # P(A spans [i, i+w) | x) = beta' * (d z / d beta') / z
+        post[w] = jnp.pad(chart.width(w) * adj_IBN / z_B[:, None], ((0, w - 1), (0, 0), (0, 0)))
+
+    chart.outside(sel_BT, on_width)
+    post_TTBN = jnp.stack([post[w] for w in range(1, T + 1)])  # [width - 1, start, B, N]
+    return {"post": jnp.transpose(post_TTBN, (2, 1, 0, 3))}  # [B, T (start), T (width - 1), N]
+
+
+def _kernel_lengths(plan: Plan, consts, leaf_BTN):
+    """Scaled root value, its log scale and the leaf log scales [B, T] of every prefix of the given leaves."""
+    chart = Chart(plan, consts, jnp.swapaxes(leaf_BTN, 0, 1))
+    prefix_BTN, log_BT = chart.prefixes()
+    return prefix_BTN @ consts["root"], log_BT, chart.leaf_log_TB.T
+
+
+KERNELS = {  # kind -> kernel(plan, consts, ...); bound to a plan and jitted by `flatlm.languages.pcfg.engine`
+    "forward": _kernel_forward, "conditionals": _kernel_conditionals,
+    "posteriors": _kernel_posteriors, "lengths": _kernel_lengths,
+}
+
+
+# Per kernel output, its axes of the chart's size T (chunks of different T are zero-padded to the largest).
+TIME_AXES = {"q": (1,), "prefix": (1,), "prefix_log_scale": (1,), "leaf_log_scale": (1,), "post": (1, 2)}

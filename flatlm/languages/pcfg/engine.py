@@ -1,0 +1,198 @@
+"""Running the PCFG chart kernels: a per-grammar cache of plans and compiled kernels, length buckets, and a
+batch of sentences applied in chunks of similar length.
+
+`Engine` holds one `Plan` per chart size and dtype and one `Compiled` kernel per (kind, size, dtype). Kernels
+are compiled ahead of time, several chart sizes at once in threads (`compile_all`), with compiler options that
+halve the compile time of these unrolled charts on CPU. `encode_tokens` validates a batch and maps it to the
+leaf table's ids (pad = V, mask = V + 1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatlm.languages.base import special_ids
+from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES
+from flatlm.languages.pcfg.plan import Plan
+
+# The charts are unrolled over widths (hundreds of small fusions): XLA:CPU's newer fusion emitters and
+# LLVM -O3 each about double the compile time of these kernels, for no measurable speed.
+_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
+
+
+class Compiled:
+    """A kernel compiled ahead of time per argument shape, with `_COMPILER_OPTIONS` where XLA knows them.
+
+    `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
+    one call needs compile in parallel on a multi-core host.
+    """
+
+    def __init__(self, fn):
+        self.jitted = jax.jit(fn)
+        self.executables: dict = {}
+        self.options = dict(_COMPILER_OPTIONS)
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple((tuple(np.shape(a)), np.result_type(a).name) for a in jax.tree.leaves(args))
+
+    def _compile(self, args):
+        lowered = self.jitted.lower(*args)
+        try:
+            return lowered.compile(compiler_options=self.options)
+        except jax.errors.JaxRuntimeError as e:  # an XLA without these debug options
+            if "compile option" not in str(e):
+                raise
+            self.options = {}
+            return lowered.compile()
+
+    def prepare(self, arg_lists: list) -> None:
+        """Compile the shapes of these argument tuples that are not compiled yet (in parallel)."""
+        compile_all([(self, args) for args in arg_lists])
+
+    def __call__(self, *args):
+        self.prepare([args])
+        return self.executables[self._key(args)](*args)
+
+
+def compile_all(pairs: list) -> None:
+    """Compile the missing (kernel, arguments) shapes, in parallel threads when there are several."""
+    todo = {}
+    for fn, args in pairs:
+        key = (id(fn), fn._key(args))
+        if fn._key(args) not in fn.executables and key not in todo:
+            todo[key] = (fn, args)
+    jobs = list(todo.values())
+    x64 = bool(jax.config.x64_enabled)  # a thread-local setting: carry it into the workers
+
+    def compile_job(job):
+        with jax.enable_x64(x64):
+            return job[0]._compile(job[1])
+
+    if len(jobs) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+            exes = list(pool.map(compile_job, jobs))
+    else:
+        exes = [fn._compile(args) for fn, args in jobs]
+    for (fn, args), exe in zip(jobs, exes):
+        fn.executables[fn._key(args)] = exe
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket(length: int) -> int:
+    """Chart size for a chunk whose longest sentence has `length` words (few sizes -> few compiles).
+
+    1..4 as is, then rounded up to a multiple of 4 up to 16, then to a multiple of 8.
+    """
+    if length <= 4:
+        return length
+    if length <= 16:
+        return -(-length // 4) * 4
+    return -(-length // 8) * 8
+
+
+def encode_tokens(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validate tokens int[n, T] and lengths int[n]; return int32 tokens for the leaf table, and int32 lengths.
+
+    Word ids within a sentence must lie in 0..V-1 or be mask (special_ids(V).mask, an unobserved word that
+    inference sums over); every position beyond a sentence's length becomes pad.
+    """
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths)
+    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
+        raise ValueError(f"need tokens [n, T] and lengths [n], got {tokens.shape} and {lengths.shape}")
+    lengths = lengths.astype(np.int32)
+    T = tokens.shape[1]
+    if np.any(lengths < 0) or np.any(lengths > T):
+        raise ValueError(f"lengths must lie in 0..{T}")
+    V, mask = vocab_size, special_ids(vocab_size).mask
+    inside_nT = np.arange(T)[None, :] < lengths[:, None]
+    words = tokens[inside_nT]
+    if np.any(((words < 0) | (words >= V)) & (words != mask)):
+        raise ValueError(f"word ids within each sentence's length must lie in 0..{V - 1} (or be mask = {mask})")
+    # Internally row V of the leaf table is pad (zero), row V + 1 mask (the word is summed over).
+    tokens = np.where(tokens == mask, V + 1, tokens)
+    return np.where(inside_nT, tokens, V).astype(np.int32), lengths
+
+
+class Engine:
+    """Exact inference for one grammar (`root[N]`, `binary[N, N, N]`, `emit[N, V]`): plans and compiled
+    kernels cached per chart size and dtype (float64 under jax x64, else float32), built on first use."""
+
+    def __init__(self, root_N, binary_NNN, emit_NV):
+        self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
+        self.vocab_size = int(emit_NV.shape[1])
+        self._plans: dict = {}
+        self._fns: dict = {}
+
+    def plan(self, T: int) -> Plan:
+        """The static plan of a chart of T words in the current default dtype."""
+        dtype = jnp.float64 if jax.config.x64_enabled else jnp.float32
+        key = (T, np.dtype(dtype).name)
+        if key not in self._plans:
+            self._plans[key] = Plan(self.root, self.binary, self.emit, T, dtype)
+        return self._plans[key]
+
+    def fn(self, kind: str, T: int) -> Compiled:
+        """The kernel `kind` (a key of `KERNELS`) for charts of T words, called as fn(plan.consts, ...)."""
+        plan = self.plan(T)
+        key = (kind, T, plan.dtype.name)
+        if key not in self._fns:
+            self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan))
+        return self._fns[key]
+
+    def run(self, kind: str, tokens: np.ndarray, lengths: np.ndarray, batch_size: int,
+            bucket_lengths: bool) -> dict[str, np.ndarray]:
+        """Apply a jitted kernel in chunks of sentences of similar length; outputs in the input order.
+
+        `tokens` int32[n, T] and `lengths` as `encode_tokens` returns them. Chunks hold `batch_size`
+        sentences (padded to a power of 2); with `bucket_lengths` the sentences are sorted by length and each
+        chunk's chart is sized by `bucket`, else every chart has the tokens' width T (one compile).
+        Time axes of the outputs have size max(T, largest chart size used); callers slice them to T.
+        """
+        n, T_in = tokens.shape
+        order = np.argsort(lengths, kind="stable") if bucket_lengths else np.arange(n)
+        chunks = [order[a: a + batch_size] for a in range(0, n, batch_size)]
+        if bucket_lengths:
+            sizes = [bucket(max(int(lengths[idx].max()), 1)) for idx in chunks]
+        else:
+            sizes = [max(T_in, 1)] * len(chunks)
+        T_max = max([T_in, *sizes])
+        calls = []
+        for idx, T in zip(chunks, sizes):
+            B = min(batch_size, _next_pow2(len(idx)))
+            tok_BT = np.full((B, T), self.vocab_size, np.int32)  # pad id = V
+            width = min(T, T_in)
+            tok_BT[: len(idx), :width] = tokens[idx, :width]
+            len_B = np.zeros(B, np.int32)
+            len_B[: len(idx)] = lengths[idx]
+            calls.append((idx, self.fn(kind, T), (self.plan(T).consts, tok_BT, len_B)))
+        compile_all([(fn, args) for _, fn, args in calls])  # every chart size first, in parallel
+        results: dict[str, np.ndarray] = {}
+        for idx, fn, args in calls:
+            for k, v in fn(*args).items():
+                v = np.asarray(v)[: len(idx)]
+                axes = TIME_AXES.get(k, ())
+                if k not in results:
+                    shape = [T_max if ax in axes else s for ax, s in enumerate(v.shape)][1:]
+                    results[k] = np.zeros([n, *shape], v.dtype)
+                results[k][(idx, *(slice(0, s) for s in v.shape[1:]))] = v
+        return results
+
+    def length_distribution(self, L: int) -> np.ndarray:
+        """float[L+1]: P(length = l) for l = 0..L, by one inside pass over all-ones leaves (emit.sum(1))."""
+        plan = self.plan(L)
+        fn = self.fn("lengths", L)
+        leaf_1TN = jnp.broadcast_to(plan.consts["leaf_total"], (1, L, plan.N))
+        z_1T, log_scale_1T, leaf_log_1T = (np.asarray(a[0], np.float64) for a in fn(plan.consts, leaf_1TN))
+        p = z_1T * np.exp(log_scale_1T + np.cumsum(leaf_log_1T))
+        return np.concatenate([[0.0], p])

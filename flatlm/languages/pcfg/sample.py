@@ -1,0 +1,127 @@
+"""Vectorised sampling of PCFG sentences with their parse trees (the pre-training corpus of Section 3.2 and
+Appendix A.1): the whole batch is expanded one tree level at a time, with inverse-CDF draws from one table of
+all rules sorted by left-hand side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flatlm.languages.base import Corpus, special_ids
+
+
+class Sampler:
+    """All rules in one table sorted by LHS; rule r of A covers (A + cum[r-1], A + cum[r]] on the real line.
+
+    Built from the grammar's arrays `root[N]`, `binary[N, N, N]`, `emit[N, V]` (see `PCFG`).
+    """
+
+    def __init__(self, root_N, binary_NNN, emit_NV):
+        N, V = int(root_N.size), int(emit_NV.shape[1])
+        left, right, word, prob = [], [], [], []
+        for A in range(N):
+            B, C = np.nonzero(binary_NNN[A])
+            w = np.flatnonzero(emit_NV[A])
+            left += list(B) + [-1] * w.size
+            right += list(C) + [-1] * w.size
+            word += [-1] * B.size + list(w)
+            p = np.concatenate([binary_NNN[A][B, C], emit_NV[A][w]])
+            c = np.cumsum(p) / p.sum()
+            c[-1] = 1.0
+            prob += list(A + c)
+        self.left = np.asarray(left, np.int32)
+        self.right = np.asarray(right, np.int32)
+        self.word = np.asarray(word, np.int32)
+        self.edge = np.asarray(prob, np.float64)
+        support = np.flatnonzero(root_N)
+        c = np.cumsum(root_N[support]) / root_N[support].sum()
+        c[-1] = 1.0
+        self.root_support, self.root_cum = support.astype(np.int32), c
+        self.V, self.N = V, N
+
+    def _rules(self, rng, sym):
+        r = np.searchsorted(self.edge, sym + rng.random(sym.size), side="right")
+        return np.minimum(r, self.edge.size - 1)
+
+    def draw(self, rng, m: int, cap: int) -> dict[str, np.ndarray]:
+        """m trees; sentences longer than `cap` are dropped (so fewer than m may come back)."""
+        pick = np.searchsorted(self.root_cum, rng.random(m), side="right")
+        sym = self.root_support[np.minimum(pick, self.root_cum.size - 1)]
+        sent = np.arange(m, dtype=np.int64)
+        alive = np.ones(m, bool)
+        words_done = np.zeros(m, np.int64)
+        levels = []  # per depth: sym, sent, word (-1: binary), child (index of left child in next level, -1)
+        while sym.size:
+            r = self._rules(rng, sym)
+            word = self.word[r]
+            expand = (word < 0) & alive[sent]
+            words_done += np.bincount(sent[word >= 0], minlength=m)
+            child = np.full(sym.size, -1, np.int64)
+            child[expand] = 2 * np.arange(int(expand.sum()))
+            levels.append((sym, sent, word, child))
+            nxt_sent = np.repeat(sent[expand], 2)
+            pending = np.bincount(nxt_sent, minlength=m)
+            alive &= words_done + pending <= cap
+            sym = np.stack([self.left[r[expand]], self.right[r[expand]]], 1).reshape(-1)
+            sent = nxt_sent
+        # bottom-up sizes, then top-down starts
+        sizes = [None] * len(levels)
+        for d in range(len(levels) - 1, -1, -1):
+            sym_d, sent_d, word_d, child_d = levels[d]
+            size = np.ones(sym_d.size, np.int64)
+            inner = child_d >= 0
+            if inner.any():
+                nxt = sizes[d + 1]
+                size[inner] = nxt[child_d[inner]] + nxt[child_d[inner] + 1]
+            size[(word_d < 0) & ~inner] = 0  # binary node of a rejected sentence: never expanded
+            sizes[d] = size
+        lengths = sizes[0].copy()
+        keep = alive & (lengths <= cap) & (lengths >= 1)
+        T = cap
+        tokens = np.full((m, T), special_ids(self.V).pad, np.int32)
+        pre = np.full((m, T), -1, np.int32)
+        split_sym = np.full((m, T), -1, np.int32)
+        split_start = np.full((m, T), -1, np.int32)
+        split_end = np.full((m, T), -1, np.int32)
+        start = np.zeros(m, np.int64)
+        for d, (sym_d, sent_d, word_d, child_d) in enumerate(levels):
+            ok = keep[sent_d]
+            leaf = ok & (word_d >= 0)
+            tokens[sent_d[leaf], start[leaf]] = word_d[leaf]
+            pre[sent_d[leaf], start[leaf]] = sym_d[leaf]
+            inner = ok & (child_d >= 0)
+            if d + 1 < len(levels):
+                nxt_start = np.zeros(levels[d + 1][0].size, np.int64)
+                has = child_d >= 0
+                lc = child_d[has]
+                nxt_start[lc] = start[has]
+                nxt_start[lc + 1] = start[has] + sizes[d + 1][lc]
+                k = start[inner] + sizes[d + 1][child_d[inner]]
+                split_sym[sent_d[inner], k] = sym_d[inner]
+                split_start[sent_d[inner], k] = start[inner]
+                split_end[sent_d[inner], k] = start[inner] + sizes[d][inner]
+                start = nxt_start
+        return {
+            "tokens": tokens[keep], "lengths": lengths[keep].astype(np.int32), "preterminal": pre[keep],
+            "split_symbol": split_sym[keep], "split_start": split_start[keep], "split_end": split_end[keep],
+        }
+
+
+def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool) -> Corpus:
+    """n sentences of at most `cap` words (tokens int32[n, cap] padded with pad = V) and their parse trees.
+
+    `rejects`: the grammar can derive longer sentences, which are dropped, so batches are drawn 25% larger
+    (plus 16) until n remain. Deterministic in `seed`; see `PCFG.sample` for the latents.
+    """
+    rng = np.random.default_rng(seed)
+    parts, have = [], 0
+    while have < n:
+        want = n - have
+        m = want if not rejects else int(want * 1.25) + 16
+        part = sampler.draw(rng, m, cap)
+        parts.append(part)
+        have += len(part["lengths"])
+    out = {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
+    tokens = out.pop("tokens")
+    lengths = out.pop("lengths")
+    return Corpus(tokens=tokens, lengths=lengths, latents=out)
