@@ -17,6 +17,12 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
+def add_config_and_workdir(p: argparse.ArgumentParser, config_help: str) -> None:
+    """The required `--config FILE.py[:PRESET]` and `--workdir DIR` of the verbs that start runs."""
+    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("--workdir", required=True)
+
+
 def add_output_flags(p: argparse.ArgumentParser, quiet: bool = True) -> None:
     """`--json` (the results as one JSON object on stdout) and, with `quiet`, `--quiet` (no progress bars)."""
     p.add_argument("--json", action="store_true", help="print the results as one JSON object on stdout")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatlm.cli.common import add_output_flags, apply_overrides
+from flatlm.cli.common import add_config_and_workdir, add_output_flags, apply_overrides
 from flatlm.experiment import load_experiment, run_experiment
 from flatlm.table import print_json, print_table
 
@@ -10,8 +10,7 @@ from flatlm.table import print_json, print_table
 def add_parser(sub) -> None:
     """Register `experiment`."""
     p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably")
-    p.add_argument("--config", required=True, help="configs/experiments/NAME.py[:PRESET]")
-    p.add_argument("--workdir", required=True)
+    add_config_and_workdir(p, "configs/experiments/NAME.py[:PRESET]")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatlm.cli.common import add_output_flags, load_config
+from flatlm.cli.common import add_config_and_workdir, add_output_flags, load_config
 from flatlm.table import print_json
 from flatlm.train.loop import train_and_evaluate
 
@@ -10,8 +10,7 @@ from flatlm.train.loop import train_and_evaluate
 def add_parser(sub) -> None:
     """Register `train`."""
     p = sub.add_parser("train", help="pre-train a model from a config (resumes from the workdir)")
-    p.add_argument("--config", required=True, help="configs/FILE.py[:PRESET]")
-    p.add_argument("--workdir", required=True)
+    add_config_and_workdir(p, "configs/FILE.py[:PRESET]")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=True)
 
