@@ -124,7 +124,10 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
         raise UserError(f"config file {path!r} not found; pass --config configs/NAME.py[:PRESET]")
     module_spec = importlib.util.spec_from_file_location(f"flatlm_config_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"{path}:{e.lineno}: {e.msg}; fix the config file") from None
     if not hasattr(module, "get_config"):
         raise UserError(f"{path} has no get_config(arg) function")
     try:
@@ -174,6 +177,10 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         if leaf not in node:
             raise UserError(f"unknown config field {key!r}{_suggest(leaf, node)}")
         value = _parse_value(text, node[leaf])
+        current = node[leaf]
+        if current is not None and (type(value) is not type(current) and not (
+                isinstance(current, float) and type(value) is int)):
+            raise UserError(f"config field {key!r} expects {type(current).__name__}, got {text!r}")
         try:
             node[leaf] = value
         except TypeError:
@@ -211,12 +218,15 @@ def check_positive(section, prefix: str, *names: str) -> None:
 # ---------------------------------------------------------------- workdir
 
 
-def save_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Write `config.json` atomically; refuse to mix a different config into an existing run."""
+def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
+    """Write `config.json` atomically; refuse to mix a different config into an existing run.
+
+    `write=False` only checks, so a run can refuse before it builds anything and write once all checks passed.
+    """
     path = Path(workdir) / "config.json"
     text = config.to_json_best_effort(indent=2, sort_keys=True)
     if path.exists():
-        old = json.loads(path.read_text())
+        old = _read_json(path)
         new = json.loads(text)
         old.pop("config_spec", None)
         new.pop("config_spec", None)
@@ -226,6 +236,8 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None
                 f"{workdir} already holds a run with a different config (fields {', '.join(diff[:5])}); "
                 "use a new --workdir or the same config"
             )
+        return
+    if not write:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -248,11 +260,22 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise UserError(f"{workdir} is not a flatlm run (no config.json); pass the --workdir of a `flatlm train`")
-    data = json.loads(path.read_text())
+    data = _read_json(path)
     base = base_config()
     base.config_spec = ""
     _merge(base, data)
     return base
+
+
+def _read_json(path: Path) -> dict:
+    """A workdir's config.json, or one line saying it is damaged."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is damaged ({e}); restore it from a copy or start a new --workdir") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a config (a JSON object); restore it or start a new --workdir")
+    return data
 
 
 def _merge(node, data):

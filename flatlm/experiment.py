@@ -84,11 +84,22 @@ def validate_experiment(exp) -> None:
         validate(run_config(exp, r), jax.device_count())
 
 
-def _done(run_dir: Path) -> bool:
-    return (run_dir / "DONE").exists()
+def _done(run_dir: Path, final_step: int) -> bool:
+    """A run is done when its DONE marker exists AND its final step's checkpoint does. A marker without that
+    checkpoint (written by an older flatlm after a SIGTERM) is stale: it is moved aside and the run resumes."""
+    marker = run_dir / "DONE"
+    if not marker.exists():
+        return False
+    if final_step in ckpt.all_steps(str(run_dir)):
+        return True
+    os.replace(marker, run_dir / "DONE.stale")
+    print(f"{run_dir}: DONE marker without the step-{final_step} checkpoint; resuming the run", file=sys.stderr)
+    return False
 
 
-def _mark_done(run_dir: Path, info: dict) -> None:
+def _mark_done(run_dir: Path, final_step: int, info: dict) -> None:
+    if final_step not in ckpt.all_steps(str(run_dir)):  # never mark unfinished work finished
+        raise RuntimeError(f"{run_dir} has no checkpoint at its final step {final_step}; not marking it done")
     tmp = run_dir / ".DONE.tmp"
     tmp.write_text(json.dumps(info))
     os.replace(tmp, run_dir / "DONE")
@@ -113,12 +124,12 @@ def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
     status = {}
     for i, run in enumerate(exp.runs):
         run_dir = root / "runs" / run["name"]
-        if _done(run_dir):
+        config = run_config(exp, run)
+        if _done(run_dir, config.train.steps):
             status[run["name"]] = "done earlier"
             continue
         if progress:
             print(f"[{i + 1}/{len(exp.runs)}] {exp.name}/{run['name']}", file=sys.stderr)
-        config = run_config(exp, run)
         if not config.data.data_dir:  # one copy of each corpus / task split for all runs (keyed by content hash)
             config.data.data_dir = str(root.resolve() / "data")
         t0 = time.time()
@@ -127,7 +138,7 @@ def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
             evaluate_pending(run_dir, progress)
         if exp.flatness.enabled:
             flatness_pending(run_dir, exp.flatness, progress)
-        _mark_done(run_dir, {"seconds": time.time() - t0})
+        _mark_done(run_dir, config.train.steps, {"seconds": time.time() - t0})
         status[run["name"]] = "finished"
     return status
 

@@ -12,6 +12,7 @@ validated by the layer that owns it, then the checks that span sections.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import flax.linen as nn
@@ -24,10 +25,12 @@ from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
 from flatlm import data as data_lib
 from flatlm import languages, models, sharding
+from flatlm.config import check_positive
 from flatlm.data import builder as builder_lib
 from flatlm.data import pipeline
 from flatlm.data import tasks as tasks_lib
 from flatlm.data.masking import mask_batch
+from flatlm.errors import UserError
 
 DEFAULT_TASKS = {"hmm": ("k6", "k10"), "pcfg": ("A", "B", "C")}  # the paper's tasks (A.2)
 
@@ -39,14 +42,41 @@ def validate(config, num_devices: int | None = None) -> None:
     data_lib.validate_config(config.data)
     models.validate_config(config.model)
     ckpt.validate_config(config.checkpoint)
+    check_positive(config.eval, "eval", "num_subsets", "batch_size")
+    if config.data.eval_size < config.eval.num_subsets:
+        raise UserError(f"config.data.eval_size={config.data.eval_size} is smaller than eval.num_subsets="
+                        f"{config.eval.num_subsets} (the exact loss's std is over that many subsets); raise it")
     if num_devices is not None:
         sharding.validate_config(config, num_devices)
+        _warn_unsharded(config, num_devices)
+
+
+def _warn_unsharded(config, num_devices: int) -> None:
+    """Tensor parallelism over a model axis that divides neither heads nor d_model shards nothing: say so once."""
+    _, model_axis = sharding.mesh_shape(config, num_devices)
+    if config.model.kind != "bert" or model_axis <= 1 or config.mesh.parallelism != "tp":
+        return
+    d, heads = models.bert_dims(config.model)
+    if heads % model_axis and d % model_axis and (d, heads, model_axis) not in _WARNED:
+        _WARNED.add((d, heads, model_axis))
+        logging.getLogger("flatlm").warning(
+            "mesh.model=%d divides neither the %d heads nor d_model=%d: those parameters stay replicated",
+            model_axis, heads, d)
+
+
+_WARNED: set = set()
 
 
 def initialize_distributed(config) -> None:
     """`jax.distributed.initialize()` once, when the config asks for a multi-host run."""
     if config.mesh.multihost and not jax.distributed.is_initialized():
         jax.distributed.initialize()
+
+
+def check_workdir(workdir: str) -> None:
+    """UserError unless `workdir` is a folder or does not exist yet."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir {workdir} is a file; pass a folder (new or holding a run)")
 
 
 def data_dir(config, workdir: str) -> str:
@@ -152,6 +182,7 @@ def build_run(config, workdir: str, quiet: bool = False) -> Run:
     """Validate the config, then build its language, data, model, mesh and parameter shardings."""
     validate(config, jax.device_count())
     language = languages.make_language(config.language)
+    task_names(config, language)  # eval.tasks must name tasks of this language
     sources = prepare_data(config, workdir, quiet=quiet)
     model = models.make_model(models.model_config(config.model, language.vocab_size, language.max_length + 1))
     mesh = sharding.make_mesh(config)

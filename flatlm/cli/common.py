@@ -17,6 +17,22 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def add_config_and_workdir(p: argparse.ArgumentParser, config_help: str) -> None:
     """The required `--config FILE.py[:PRESET]` and `--workdir DIR` of the verbs that start runs."""
     p.add_argument("--config", required=True, help=config_help)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flatlm import demo
-from flatlm.cli.common import add_output_flags
+from flatlm.cli.common import add_output_flags, non_negative_int
 from flatlm.table import print_json, print_table
 
 
@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     """Register `demo`."""
     p = sub.add_parser("demo", help="the paper's story on a small language, on CPU, in minutes")
     p.add_argument("--workdir", default="demo_workdir")
-    p.add_argument("--steps", type=int, default=0, help="training steps (0: the demo's default)")
+    p.add_argument("--steps", type=non_negative_int, default=0, help="training steps (0: the demo's default)")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatlm.cli.common import add_output_flags, parse_steps
+from flatlm.cli.common import add_output_flags, non_negative_int, parse_steps, positive_int
 from flatlm.flatness.compare import METHODS
 from flatlm.flatness.runner import measure_run
 from flatlm.run import load_run
@@ -16,14 +16,14 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, default="fisher")
     p.add_argument("--steps", default="last", help="'last', 'all' or comma-separated checkpoint steps")
     p.add_argument("--gap", action="store_true", help="Hessian vs Fisher vs empirical Fisher report instead")
-    p.add_argument("--num-probes", type=int, default=100, help="Hutchinson probes per batch / Hutch++ matvecs")
-    p.add_argument("--num-draws", type=int, default=50, help="labels drawn per context (Fisher)")
+    p.add_argument("--num-probes", type=positive_int, default=100, help="Hutchinson probes per batch / Hutch++ matvecs")
+    p.add_argument("--num-draws", type=positive_int, default=50, help="labels drawn per context (Fisher)")
     p.add_argument("--fisher-form", choices=("per_sample", "summed"), default="per_sample")
-    p.add_argument("--num-batches", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=1, help="probes vmapped at once")
+    p.add_argument("--num-batches", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=256)
+    p.add_argument("--chunk-size", type=positive_int, default=1, help="probes vmapped at once")
     p.add_argument("--groups", choices=("top", "leaf"), default="top")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from flatlm.cli.common import add_output_flags, parse_steps
+from flatlm.cli.common import add_output_flags, non_negative_int, parse_steps, positive_int
 from flatlm.errors import UserError
 from flatlm.flatness import grow
 from flatlm.models.bert import TABLE3, BertConfig
@@ -23,14 +23,14 @@ def add_parser(sub) -> None:
     g.add_argument("--workdir", required=True)
     g.add_argument("--step", default="last")
     g.add_argument("--to", help=f"target shape: {', '.join([*grow.TABLE4, *TABLE3])}")
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--num-layers", type=int)
+    g.add_argument("--d-model", type=positive_int)
+    g.add_argument("--num-layers", type=positive_int)
     g.add_argument("--init", choices=("zeros", "random"), default="zeros", help="new blocks' input-side weights")
     g.add_argument("--out", help="where to write the grown parameters (.npz)")
     g.add_argument("--check", action="store_true", help="compare small and grown logits/loss on eval batches")
-    g.add_argument("--num-batches", type=int, default=2)
-    g.add_argument("--batch-size", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-batches", type=positive_int, default=2)
+    g.add_argument("--batch-size", type=positive_int, default=64)
+    g.add_argument("--seed", type=non_negative_int, default=0)
     add_output_flags(g, quiet=False)
     g.set_defaults(func=run, overrides=False)
 

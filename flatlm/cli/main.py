@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -11,8 +12,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets
 from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
 from flatlm.errors import UserError  # noqa: E402
-from flatlm.train.loop import NonFiniteLoss  # noqa: E402
+from flatlm.train.loop import NonFiniteLoss, Preempted  # noqa: E402
 
+# A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
+USER_PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR)
 VERBS = (train, data, demo, evaluate, flatness, grow, experiment, report, theory)  # each has add_parser(sub)
 
 
@@ -26,7 +29,8 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; exit code 0, 1 (training diverged), 2 (user error) or 130 (interrupted)."""
+    """Run one verb; exit code 0, 1 (training diverged), 2 (user error), 130 (Ctrl-C) or 143 (SIGTERM: the
+    work is saved but unfinished; rerun to resume)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     try:
@@ -41,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"flatlm: training stopped: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        print(f"flatlm: {e}", file=sys.stderr)
+        return 143
+    except OSError as e:
+        if e.errno not in USER_PATH_ERRORS:
+            raise
+        print(f"flatlm: error: cannot write {e.filename or 'a file'}: {e.strerror}; choose a writable "
+              "--workdir / --data-dir / --out", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("flatlm: interrupted", file=sys.stderr)
         return 130

@@ -6,7 +6,7 @@ Every language has `vocab_size` (words are ids 0..V-1), `max_length`, `sample(n,
 
 import os
 
-from flatlm.config import check_choice
+from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
 from flatlm.languages import hmm, opt, pcfg
 from flatlm.languages.base import Corpus, Language, special_ids
@@ -19,6 +19,13 @@ TRAINABLE = ("hmm", "pcfg", "opt")  # languages a run can pre-train on (Dyck is 
 def validate_config(spec) -> None:
     """Check a config's `language` section; one line naming `language.<field>` on failure."""
     check_choice(spec.name, TRAINABLE, "language.name")
+    if spec.name == "hmm":
+        check_positive(spec, "language", "num_states", "vocab_size", "length", "num_blocks")
+        if spec.num_blocks > min(spec.num_states, spec.vocab_size):
+            raise UserError(f"config.language.num_blocks={spec.num_blocks} exceeds min(num_states, vocab_size) = "
+                            f"{min(spec.num_states, spec.vocab_size)}; lower it")
+    if spec.name == "pcfg" and spec.max_length < 0:
+        raise UserError(f"config.language.max_length must be >= 0 (0: the grammar's longest), got {spec.max_length}")
 
 
 def make_language(spec):

@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
-from flatlm.config import check_choice
+from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
 from flatlm.models.bert import TABLE3, Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
 
-__all__ = ["TABLE3", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config"]
+__all__ = ["TABLE3", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config",
+           "bert_dims"]
 
 KINDS = ("bert", "lstm")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def bert_dims(model) -> tuple[int, int]:
+    """(d_model, heads) of a config's `model` section (a Table 3 `shape` overrides d_model; 0 heads: d / 64)."""
+    d = TABLE3[model.shape][1] if model.shape else model.d_model
+    return d, model.num_heads or max(1, d // 64)
 
 
 def validate_config(model) -> None:
     """Check a config's `model` section; one line naming `model.<field>` on failure."""
     check_choice(model.kind, KINDS, "model.kind")
     check_choice(model.ln_mode, ("pre", "post"), "model.ln_mode")
+    check_choice(model.dtype, DTYPES, "model.dtype")
+    check_choice(model.param_dtype, DTYPES, "model.param_dtype")
+    check_positive(model, "model", "num_layers", *(("d_model",) if model.kind == "bert" else ("d_hidden",)))
+    for field in ("num_heads", "d_ff"):
+        if model[field] < 0:
+            raise UserError(f"config.model.{field} must be >= 0 (0: the default), got {model[field]}")
+    if not 0 <= model.dropout < 1 or not 0 <= model.attention_dropout < 1:
+        raise UserError("config.model.dropout and attention_dropout must be in [0, 1)")
     if model.shape and model.shape not in TABLE3:
         raise UserError(f"config.model.shape={model.shape!r} is unknown; choose one of {', '.join(TABLE3)}")
     if model.kind == "bert":
-        d = TABLE3[model.shape][1] if model.shape else model.d_model
-        heads = model.num_heads or max(1, d // 64)
+        d, heads = bert_dims(model)
         if d % heads:
             raise UserError(f"config.model.d_model={d} is not divisible by num_heads={heads}")
 

@@ -33,7 +33,7 @@ from flatlm import train as train_lib
 from flatlm.data import pipeline
 from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
-from flatlm.run import Run, build_run, initialize_distributed
+from flatlm.run import Run, build_run, check_workdir, initialize_distributed
 from flatlm.train import adversarial as adv
 from flatlm.train import optim
 from flatlm.train.step import mlm_objective, train_step
@@ -43,6 +43,13 @@ log = logging.getLogger("flatlm")
 
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/inf; the last good checkpoint is left as it was."""
+
+
+class Preempted(RuntimeError):
+    """Training stopped on SIGTERM (e.g. a preempted VM) after saving a checkpoint: the run is NOT finished.
+
+    The CLI exits with 143 (128 + SIGTERM); rerunning the same command resumes from the saved step.
+    """
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -192,10 +199,11 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval."""
     initialize_distributed(config)
     validate(config, jax.device_count())
-    os.makedirs(workdir, exist_ok=True)
+    check_workdir(workdir)
+    config_lib.save_workdir_config(config, workdir, write=False)  # a different run there: refuse before building
+    run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir)
-    run = build_run(config, workdir, quiet=not progress)
     setup = train_setup(run)
     c = config
     pinned = ckpt.PinnedSteps(c.checkpoint.steps)
@@ -216,10 +224,12 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
     plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
-    kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
-    if os.environ.get("FLATLM_DEBUG_SIGKILL_WORKDIR", "") not in os.path.abspath(workdir):
-        kill_at = -1
+    # Test hooks: at this step send ourselves SIGKILL (die like a crashed VM) or SIGTERM (a preempted one), only
+    # in workdirs whose path contains FLATLM_DEBUG_SIGKILL_WORKDIR, if that is set.
+    debug_signals = {}
+    if os.environ.get("FLATLM_DEBUG_SIGKILL_WORKDIR", "") in os.path.abspath(workdir):
+        for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGTERM", signal.SIGTERM)):
+            debug_signals[int(os.environ.get(f"FLATLM_DEBUG_{name}_AT_STEP", "-1"))] = sig
     last_eval: dict = {}
     pending = None  # (step, device metrics) of the previous step, pulled after the next dispatch
     last_saved = start
@@ -255,6 +265,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
             pending = (step, metrics)
             steps_since += 1
             bar.update(1)
+            if debug_signals.get(step) == signal.SIGTERM:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives during this step, like a real preemption
             last = step == c.train.steps
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
@@ -270,14 +282,16 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
                     pending = None
                 ckpt.save(mngr, step, state, it)
                 last_saved = step
-            if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if preempt.requested:
-                bar.write(f"SIGTERM: checkpoint saved at step {step}; rerun the same command to resume")
+            if debug_signals.get(step) == signal.SIGKILL:
+                os.kill(os.getpid(), signal.SIGKILL)  # after this step's checkpoint, if any
+            if preempt.requested and not last:
                 break
         if pending is not None:
             flush(pending)
     bar.close()
     writer.close()
     mngr.close()
+    if preempt.requested and last_saved < c.train.steps:
+        raise Preempted(f"interrupted by SIGTERM at step {last_saved} of {c.train.steps}; checkpoint {last_saved} "
+                        "is saved; rerun the same command to resume")
     return last_eval
