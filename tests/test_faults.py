@@ -9,8 +9,8 @@ tests/test_faults_concurrency.py.
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import random
 import shutil
 
