@@ -176,7 +176,8 @@ ARGS = st.one_of(
 )
 
 
-@settings(max_examples=int(os.environ.get("FLATLM_HYPOTHESIS_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("FLATLM_HYPOTHESIS_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=ARGS)
 def test_random_input_exits_0_or_2_with_one_line_and_never_touches_an_existing_run(argv, finished, capsys):
     """Against a finished run's workdir: any input either succeeds or fails with one line and exit 2 (no
