@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
+from flatlm import locks, sharding
 from flatlm import run as run_lib
-from flatlm import sharding
 from flatlm import train as train_lib
 from flatlm.data import pipeline
 from flatlm.evaluate.runner import run_exact_loss
@@ -189,10 +189,17 @@ class _Preemption:
 
 
 def train_and_evaluate(config, workdir: str, progress: bool = True, objective=None) -> dict:
-    """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval."""
+    """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval.
+
+    Process 0 holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     initialize_distributed(config)
     validate(config, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
+    with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
+        return _train(config, workdir, progress, objective)
+
+
+def _train(config, workdir: str, progress: bool, objective) -> dict:
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir)
     run = build_run(config, workdir, quiet=not progress)
@@ -215,7 +222,7 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
     plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     # Test hook: die like a preempted VM at this step (only in workdirs containing ..._WORKDIR, if set).
     kill_at = int(os.environ.get("FLATLM_DEBUG_SIGKILL_AT_STEP", "-1"))
     if os.environ.get("FLATLM_DEBUG_SIGKILL_WORKDIR", "") not in os.path.abspath(workdir):
