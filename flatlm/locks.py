@@ -1,8 +1,8 @@
 """Inter-process file locks (`fcntl.flock`, Linux and macOS) so that concurrent flatlm processes never lose or
 mix up each other's writes.
 
-Two kinds, both re-entrant within one process (a thread of the process that holds a lock may take it again;
-other threads wait as other processes do):
+Two kinds, both re-entrant within one process (the thread that holds a lock may take it again; other threads
+of the process are treated as other processes are; a child forked while a lock is held shares it):
 
 - `exclusive(directory, what)`: the workdir lock `<directory>/.lock`, held for a whole command (train, evaluate,
   flatness, experiment). One lock per workdir for any writer: evaluating a run that is being trained is refused
