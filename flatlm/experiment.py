@@ -22,6 +22,7 @@ import ml_collections
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
+from flatlm import locks
 from flatlm import results as results_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run
@@ -112,10 +113,16 @@ def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[
 
 
 def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
-    """Train, evaluate and measure every run; returns {run name: status}."""
+    """Train, evaluate and measure every run; returns {run name: status}. Holds the experiment dir's lock
+    (`flatlm.locks.exclusive`): a second `flatlm experiment` on it stops with one line."""
     validate_experiment(exp)
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
+    with locks.exclusive(root, f"running experiment {exp.name}"):
+        return _run_experiment(exp, root, workdir, progress)
+
+
+def _run_experiment(exp, root: Path, workdir: str, progress: bool) -> dict:
     spec = root / "experiment.json"
     text = exp.to_json_best_effort(indent=1, sort_keys=True)
     if spec.exists() and json.loads(spec.read_text()) != json.loads(text):

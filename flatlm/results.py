@@ -1,7 +1,15 @@
-"""`results.json` in a workdir: every evaluation appends entries; earlier results are never overwritten.
+"""`results.json` in a workdir: every evaluation appends entries, one entry per measurement.
 
 Format: {"results": [entry, ...]}, each entry {"kind", "step", "time", ...}: kind is "exact_loss", "probe",
-"finetune", "lookup_table", "flatness", ... The file is rewritten atomically (tmp + rename).
+"finetune", "lookup_table", "flatness", ...
+
+One entry per identity (`identity`): the kind, the step and the settings that tell two measurements apart (task,
+method, grown_to; of the `detail`: the estimator's method, num_batches and num_samples, the probe or
+fine-tuning config and the frozen layers). `append` replaces an earlier entry with the same identity (a
+measurement redone, e.g. by a resumed experiment) by the new one at the end, instead of adding a duplicate;
+entries of other identities are never touched. `append` is atomic and safe across processes: the whole
+read-modify-write runs under the lock file `<workdir>/.results.lock` and the file is rewritten as a tmp file
+renamed over it, so concurrent writers lose nothing and a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -11,6 +19,11 @@ import math
 import os
 import time
 from pathlib import Path
+
+from flatlm import locks
+
+IDENTITY = ("kind", "step", "task", "method", "grown_to")
+DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
 
 
 def _clean(x):
@@ -33,16 +46,27 @@ def load(workdir: str) -> list[dict]:
     return json.loads(path.read_text())["results"] if path.exists() else []
 
 
+def identity(entry: dict) -> str:
+    """What makes an entry a distinct measurement (see the module docstring), as a canonical JSON string."""
+    e = _clean(entry)
+    key = {k: e[k] for k in IDENTITY if k in e}
+    if isinstance(e.get("detail"), dict):
+        key["detail"] = {k: e["detail"][k] for k in DETAIL_IDENTITY if k in e["detail"]}
+    return json.dumps(key, sort_keys=True)
+
+
 def append(workdir: str, entries: list[dict]) -> None:
-    """Add entries (stamped with the time) to the workdir's results.json, atomically."""
+    """Add entries (stamped with the time) to the workdir's results.json, atomically and under its lock; an
+    earlier entry with the same `identity` as a new one is replaced (dropped, the new one goes at the end)."""
     path = Path(workdir, "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = load(workdir)
     now = time.time()
-    new = old + [_clean({"time": now, **e}) for e in entries]
-    tmp = path.with_name(f".results.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"results": new}, indent=1))
-    os.replace(tmp, path)
+    new = {identity(e): e for e in (_clean({"time": now, **e}) for e in entries)}  # the last of equal ones
+    with locks.waiting(Path(workdir, ".results.lock"), f"writing {path}"):
+        kept = [e for e in load(workdir) if identity(e) not in new]
+        tmp = path.with_name(f".results.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"results": kept + list(new.values())}, indent=1))
+        os.replace(tmp, path)
 
 
 def latest(entries: list[dict], **match) -> dict | None:

@@ -4,7 +4,9 @@ Splits: `train` (tokens, length) and `validation` (tokens, length, exact conditi
 q[t, w] = P(x_t = w | x_-t)); latent variables the language exposes as int arrays of shape [T] (e.g. HMM
 states) are stored too. A corpus is identified by a hash of (language spec, sizes, seed), so two runs
 with the same language share one copy, and a half-written build is never visible (tfds writes into
-`incomplete.*` and renames at the end).
+`incomplete.*` and renames at the end). A dataset is built under the lock of its folder (`building`): a second
+process that needs the same dataset waits for the first (one line on stderr) and then finds it built; leftovers
+`incomplete.*` of a killed build are removed under that lock before building.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flatlm import locks
 from flatlm.languages import make_language
 
 CHUNK = 1024  # sentences sampled (and conditioned) at a time while writing
@@ -104,18 +109,30 @@ class FlatlmCorpus(tfds.core.GeneratorBasedBuilder):
                 yield start + i, ex
 
 
+@contextlib.contextmanager
+def building(builder_cls: type[tfds.core.DatasetBuilder], config_name: str, data_dir: str) -> Iterator[None]:
+    """Hold the lock of the dataset folder `<data_dir>/<builder name>/<config_name>` for the `with` block,
+    waiting (one line on stderr naming the pid) while another process builds it, and remove the `incomplete.*`
+    folders that killed builds left there. Create the builder inside the block: it then sees a finished build."""
+    folder = Path(data_dir, builder_cls.name, config_name)
+    what = f"building dataset {builder_cls.name}/{config_name} in {data_dir}"
+    with locks.waiting(folder / locks.LOCK, what, announce=True):
+        for leftover in folder.glob("incomplete.*"):  # no one else builds it now: a killed build's
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield
+
+
 def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, seed: int,
           quiet: bool = False) -> FlatlmCorpus:
     """Materialise the corpus in `data_dir` (no-op if it is already there). Returns the builder."""
     Path(data_dir).mkdir(parents=True, exist_ok=True)
-    builder = FlatlmCorpus(
-        data_dir=os.fspath(data_dir), config=corpus_config(dict(language_spec), train_size, eval_size, seed),
-        file_format="array_record",
-    )
-    if quiet:
-        tfds.disable_progress_bar()
-    with contextlib.redirect_stdout(sys.stderr):  # tfds prints its banner on stdout; keep stdout for results
-        builder.download_and_prepare()
+    config = corpus_config(dict(language_spec), train_size, eval_size, seed)
+    with building(FlatlmCorpus, config.name, data_dir):
+        builder = FlatlmCorpus(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+        if quiet:
+            tfds.disable_progress_bar()
+        with contextlib.redirect_stdout(sys.stderr):  # tfds prints its banner on stdout; keep stdout for results
+            builder.download_and_prepare()
     return builder
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flatlm.data.builder import building
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 
@@ -123,12 +124,13 @@ def build_task(language_spec: dict, task: str, data_dir: str, sizes: tuple[int, 
                         description=payload, spec=json.dumps(language_spec, sort_keys=True), task=task,
                         definition=definition, sizes=tuple(sizes), seed=seed)
     Path(data_dir).mkdir(parents=True, exist_ok=True)
-    builder = FlatlmTask(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
-    check_task(builder.language, language_spec["name"], task)
-    if quiet:
-        tfds.disable_progress_bar()
-    with contextlib.redirect_stdout(sys.stderr):
-        builder.download_and_prepare()
+    with building(FlatlmTask, config.name, data_dir):  # one process builds it, others wait for it
+        builder = FlatlmTask(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+        check_task(builder.language, language_spec["name"], task)
+        if quiet:
+            tfds.disable_progress_bar()
+        with contextlib.redirect_stdout(sys.stderr):
+            builder.download_and_prepare()
     out = {}
     for split, src in builder.as_data_source().items():
         items = src.__getitems__(list(range(len(src))))

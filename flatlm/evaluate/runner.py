@@ -12,6 +12,7 @@ import sys
 import flax.linen as nn
 from tqdm.auto import tqdm
 
+from flatlm import locks
 from flatlm import results as results_lib
 from flatlm.evaluate.exact_loss import exact_loss
 from flatlm.evaluate.finetune import FinetuneConfig, finetune
@@ -39,7 +40,14 @@ def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str,
                  finetune_: bool | None = None, lookup: bool | None = None, exact: bool = True,
                  progress: bool = True) -> list[dict]:
     """Evaluate checkpoints `steps` (default: all) of the run in `workdir`; returns the new entries, which are
-    also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section."""
+    also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section.
+    Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
+    with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir)):  # no dir: load_run says why
+        return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, exact, progress)
+
+
+def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, exact: bool,
+                  progress: bool) -> list[dict]:
     run = load_run(workdir, quiet=not progress)
     c = run.config
     chosen = run.steps if steps is None else list(steps)

@@ -14,6 +14,7 @@ import sys
 import jax
 from tqdm.auto import tqdm
 
+from flatlm import locks
 from flatlm import results as results_lib
 from flatlm.flatness import compare, grow
 from flatlm.models import Bert
@@ -28,8 +29,18 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
-    function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`.
+    function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`. Appending holds the
+    workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
+    kw = dict(num_probes=num_probes, num_batches=num_batches, batch_size=batch_size, draws=draws, seed=seed,
+              fisher_form=fisher_form, chunk_size=chunk_size, groups=groups, grow_to=grow_to, gap=gap,
+              append=append, progress=progress)
+    with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap):
+        return _measure_run(run, steps, method, **kw)
+
+
+def _measure_run(run: Run, steps, method: str, *, num_probes, num_batches, batch_size, draws, seed, fisher_form,
+                 chunk_size, groups, grow_to, gap, append, progress) -> list[dict]:
     model = run.model
     if grow_to is not None:
         model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,10 +28,11 @@ from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
+from flatlm import locks, sharding
 from flatlm import run as run_lib
-from flatlm import sharding
 from flatlm import train as train_lib
 from flatlm.data import pipeline
+from flatlm.errors import UserError
 from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
 from flatlm.run import Run, build_run, check_workdir, initialize_distributed
@@ -196,11 +198,25 @@ class _Preemption:
 
 
 def train_and_evaluate(config, workdir: str, progress: bool = True, objective=None) -> dict:
-    """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval."""
+    """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval.
+
+    Process 0 holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     initialize_distributed(config)
     validate(config, jax.device_count())
     check_workdir(workdir)
     config_lib.save_workdir_config(config, workdir, write=False)  # a different run there: refuse before building
+    created = not os.path.exists(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
+            return _train(config, workdir, progress, objective)
+    except UserError:
+        if created and set(os.listdir(workdir)) <= {".lock"}:  # refused before writing anything: leave no trace
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def _train(config, workdir: str, progress: bool, objective) -> dict:
     run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir)
@@ -223,7 +239,7 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
     plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     # Test hooks: at this step send ourselves SIGKILL (die like a crashed VM) or SIGTERM (a preempted one), only
     # in workdirs whose path contains FLATLM_DEBUG_SIGKILL_WORKDIR, if that is set.
     debug_signals = {}
