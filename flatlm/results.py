@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 from flatlm import locks
+from flatlm.errors import UserError
 
-IDENTITY = ("kind", "step", "task", "method", "grown_to")
+IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
 DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
 
 
@@ -41,9 +42,15 @@ def _clean(x):
 
 
 def load(workdir: str) -> list[dict]:
-    """Every entry of the workdir's results.json ([] if there is none)."""
+    """Every entry of the workdir's results.json ([] if there is none); one line if the file is damaged."""
     path = Path(workdir, "results.json")
-    return json.loads(path.read_text())["results"] if path.exists() else []
+    if not path.exists():
+        return []
+    try:
+        return json.loads(path.read_text())["results"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path} is damaged ({type(e).__name__}: {e}); restore it from a copy, or move it aside "
+                        "to start a fresh one (its results are then lost)") from None
 
 
 def identity(entry: dict) -> str:

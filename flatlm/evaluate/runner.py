@@ -1,6 +1,7 @@
 """Evaluate a run's checkpoints: exact loss, linear probe, fine-tuning and the lookup-table baseline.
 
-Results are appended to the run's `results.json` (never overwriting earlier ones); features are cached in
+Results are appended to the run's `results.json` (a re-measurement replaces the entry it repeats, see
+`flatlm.results.identity`); features are cached in
 `<workdir>/features/` so re-probing a checkpoint skips the encoder pass. `flatlm evaluate` is the command.
 """
 

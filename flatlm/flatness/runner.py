@@ -48,6 +48,7 @@ def _measure_run(run: Run, steps, method: str, *, num_probes, num_batches, batch
     batches = run.mlm_batches(num_batches, batch_size, seed=seed)
     kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
               groups=groups)
+    settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
     entries = []
     for step in tqdm(steps, desc=f"flatness ({'gap' if gap else method})", disable=not progress, file=sys.stderr):
         params = run.load_params(step)
@@ -59,8 +60,8 @@ def _measure_run(run: Run, steps, method: str, *, num_probes, num_batches, batch
                             **compare.gap_report(model.apply, params, batches, key, **kw)})
             continue
         est = compare.measure(method, model.apply, params, batches, key, **kw)
-        entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "trace": est.mean,
-                 "trace_stderr": est.stderr, "detail": est.to_dict()}
+        entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "settings": settings,
+                 "trace": est.mean, "trace_stderr": est.stderr, "detail": est.to_dict()}
         if append:
             results_lib.append(run.workdir, [entry])
         entries.append(entry)
