@@ -131,7 +131,12 @@ def test_bad_paths_and_files_are_one_line(tmp_path, capsys, finished):
     bad_json.mkdir()
     (bad_json / "config.json").write_text("{oops")
     (tmp_path / "syntax.py").write_text("def get_config(:\n")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(finished, damaged)
+    (damaged / "results.json").write_text('{"results": [{"kind": "exact_loss", "st')
     cases = [
+        (["evaluate", "--workdir", damaged, "--no-probe", "--no-finetune", "--quiet"], "results.json is damaged"),
+        (["report", damaged], "results.json is damaged"),
         (["train", "--config", TINY, "--workdir", tmp_path / "file"], "is a file"),
         (["train", "--config", TINY, "--workdir", bad_json], "config.json is damaged"),
         (["evaluate", "--workdir", bad_json], "config.json is damaged"),
@@ -146,6 +151,7 @@ def test_bad_paths_and_files_are_one_line(tmp_path, capsys, finished):
         assert code == 2 and len(err) == 1 and needle in err[0], (argv, err)
     assert _snapshot(finished) == before
     assert (bad_json / "config.json").read_text() == "{oops"
+    assert (damaged / "results.json").read_text() == '{"results": [{"kind": "exact_loss", "st'
 
 
 def test_evaluate_last_without_probe_fine_tunes(finished, capsys):
