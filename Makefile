@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKERS ?= 2
 
-.PHONY: demo test test-all bench lint clean install
+.PHONY: demo test test-all bench lint clean install reproduce
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
@@ -26,6 +26,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n $(WORKERS) --durations=25
+
+reproduce: $(STAMP)  # the paper's claims at CPU scale (resumable; see docs/reproduction/)
+	$(VENV)/bin/flatlm reproduce --preset cpu --workdir runs/reproduce-cpu
 
 bench: $(STAMP)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

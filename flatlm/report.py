@@ -173,6 +173,21 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
         md.append("## Accuracy vs model size (final checkpoints; exact loss annotated)\n\n"
                   "![size](accuracy_vs_size.png)\n")
 
+    # 4a. Tr(H) vs steps (Figure 3's panel)
+    traced = [r for r in runs if r.by_kind("flatness")]
+    if traced:
+        fig, ax = subplots()
+        for r in traced:
+            fl = r.by_kind("flatness")
+            s = sorted(fl)
+            ax.errorbar(s, [fl[k]["trace"] for k in s], [fl[k]["trace_stderr"] for k in s], fmt="o-", ms=3,
+                        capsize=2, label=r.name)
+        methods = sorted({e.get("method", "?") for r in traced for e in r.by_kind("flatness").values()})
+        ax.set(xlabel="step", ylabel=f"Tr(H), estimator: {', '.join(methods)}", title="flatness along training")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / "trace_vs_steps.png")
+        md.append("## Tr(H) along training\n\n![trace](trace_vs_steps.png)\n")
+
     # 4. Tr(H) vs accuracy with rank correlation
     pairs = []
     for r in runs:

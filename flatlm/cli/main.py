@@ -9,14 +9,14 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
 
-from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, theory, train  # noqa: E402
+from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, reproduce, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
 from flatlm.errors import UserError  # noqa: E402
 from flatlm.train.loop import NonFiniteLoss, Preempted  # noqa: E402
 
 # A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
 USER_PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR)
-VERBS = (train, data, demo, evaluate, flatness, grow, experiment, report, theory)  # each has add_parser(sub)
+VERBS = (train, data, demo, evaluate, flatness, grow, experiment, reproduce, report, theory)  # each has add_parser(sub)
 
 
 def build_parser() -> Parser:

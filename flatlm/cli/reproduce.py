@@ -1,0 +1,45 @@
+"""`flatlm reproduce --preset cpu --workdir DIR`: run the experiments behind the paper's claims (resumably) and
+write one report with a verdict per claim (see `flatlm.reproduce`)."""
+
+from __future__ import annotations
+
+from flatlm import reproduce
+from flatlm.cli.common import add_output_flags
+from flatlm.errors import UserError
+from flatlm.table import print_json, print_table
+
+
+def add_parser(sub) -> None:
+    """Register `reproduce`."""
+    p = sub.add_parser("reproduce", help="the paper's claims C1-C4: experiments, effects with CIs, verdicts")
+    p.add_argument("--preset", default="cpu", help="experiment preset: cpu (laptop, converged), tiny (smoke), paper")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
+    p.add_argument("--report-only", action="store_true", help="no training: judge what the workdir holds")
+    add_output_flags(p)
+    p.set_defaults(func=run, overrides=False)
+
+
+def run(args) -> int:
+    """Run the suite (unless --report-only), then print the verdicts and write the report."""
+    ids = tuple(c.strip().upper() for c in args.claims.split(",") if c.strip())
+    unknown = [c for c in ids if c not in reproduce.SUITE]
+    if unknown:
+        raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
+    if args.report_only:
+        timings = reproduce.load_timings(args.workdir)
+    else:
+        timings = reproduce.run_suite(args.preset, args.workdir, ids, progress=not args.quiet)
+    results = reproduce.evaluate_claims(args.workdir, ids)
+    command = f"flatlm reproduce --preset {args.preset} --workdir {args.workdir}" + \
+        (f" --claims {','.join(ids)}" if ids else "")
+    path = reproduce.write_report(args.workdir, results, timings, command)
+    rows = [{"claim": r.claim, "paper": r.figures, "verdict": r.verdict, "title": r.title} for r in results]
+    if args.json:
+        print_json({"workdir": args.workdir, "report": str(path), "claims": rows,
+                    "minutes": sum(timings.values()) / 60})
+    else:
+        print_table(rows, [("claim", "claim", "s"), ("paper", "paper", "s"), ("verdict", "verdict", "s"),
+                           ("title", "claim", "s")])
+        print(f"report: {path}")
+    return 0

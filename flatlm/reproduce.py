@@ -1,0 +1,335 @@
+"""The paper's claims, measured: run the experiments of a preset, then one verdict per claim (issue 13).
+
+  C1 (Figure 1)        continuing after convergence keeps the loss in the "same loss" band while probe
+                       accuracy rises and Tr(H) falls (first vs last checkpoint after convergence).
+  C2 (Figures 2, 5)    at the same loss, the largest model transfers better than the smallest, and its Tr(H)
+                       after function-preserving growth into one shape is lower.
+  C3 (Tables 1, 2)     the adversarial objective at the same loss transfers worse than AdamW, with larger Tr(H).
+  C4 (Figure 3)        SGD after convergence: Tr(H) falls while accuracy rises; and over every equal-loss model
+                       of the suite, Tr(H) and accuracy are negatively rank-correlated (Spearman, bootstrap CI).
+
+Every effect is paired over the pre-training seeds of the experiment (runs `<name>-seed<k>`) and judged by
+`flatlm.claims` ("same loss" band, t-interval, verdict). `run_suite` runs the experiments resumably (each in
+`<workdir>/<experiment>/`, like `flatlm experiment`) and records their wall time in `<workdir>/timings.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from flatlm import claims
+from flatlm.errors import UserError
+from flatlm.experiment import load_experiment, run_experiment
+from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
+# claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
+SUITE = {
+    "C1": ("continuing after convergence: same loss, accuracy up, Tr(H) down", "Figure 1",
+           [("fig1_after_convergence", "hmm")]),
+    "C2": ("larger models at the same loss transfer better and are flatter", "Figures 2 and 5",
+           [("fig2_model_sizes", "hmm"), ("fig5_grown_sizes", "pcfg")]),
+    "C3": ("the adversarial objective at the same loss transfers worse, with larger Tr(H)", "Tables 1 and 2",
+           [("table2", "hmm"), ("table1", "pcfg")]),
+    "C4": ("SGD after convergence flattens; Tr(H) and accuracy are anti-correlated", "Figure 3",
+           [("fig3_sgd", "hmm")]),
+}
+
+
+@dataclasses.dataclass
+class Finding:
+    """One measured effect of a claim and its verdict."""
+
+    name: str  # e.g. "probe accuracy: last - first checkpoint after convergence"
+    expected_sign: int  # the paper's direction (+1: the difference is positive)
+    effect: claims.Effect | None
+    verdict: str
+    scale: float = 1.0  # for printing (100: percentage points)
+    unit: str = ""
+
+
+@dataclasses.dataclass
+class ClaimResult:
+    """A claim's findings, the "same loss" checks behind them and its overall verdict."""
+
+    claim: str
+    title: str
+    figures: str
+    findings: list[Finding]
+    same_loss: list[tuple[str, claims.SameLoss]]
+    notes: list[str]
+
+    @property
+    def verdict(self) -> str:
+        """Reproduced if every finding is; not reproduced if any is not; else inconclusive."""
+        verdicts = [f.verdict for f in self.findings]
+        if verdicts and all(v == "reproduced" for v in verdicts):
+            return "reproduced"
+        if "not reproduced" in verdicts:
+            return "not reproduced"
+        return "inconclusive"
+
+
+def experiment_dir(workdir: str, name: str, language: str) -> Path:
+    """Where the suite keeps one experiment."""
+    return Path(workdir) / f"{name}-{language}"
+
+
+def load_timings(workdir: str) -> dict:
+    """{experiment dir name: wall seconds} recorded by `run_suite` ({} if none)."""
+    path = Path(workdir) / "timings.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True) -> dict:
+    """Run (or resume) every experiment the chosen claims need; returns {experiment dir name: seconds}."""
+    timings_path = Path(workdir) / "timings.json"
+    timings = load_timings(workdir)
+    for cid in claim_ids or tuple(SUITE):
+        if cid not in SUITE:
+            raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
+        for name, language in SUITE[cid][2]:
+            target = experiment_dir(workdir, name, language)
+            exp = load_experiment(f"{CONFIGS / name}.py:{preset},{language}")
+            t0 = time.time()
+            status = run_experiment(exp, str(target), progress=progress)
+            if any(v == "finished" for v in status.values()) or target.name not in timings:
+                timings[target.name] = timings.get(target.name, 0.0) + time.time() - t0
+            timings_path.parent.mkdir(parents=True, exist_ok=True)
+            timings_path.write_text(json.dumps(timings, indent=1))
+    return timings
+
+
+# ------------------------------------------------------------------------------------------- measurements
+
+
+def _by_seed(runs: list[RunData]) -> dict[str, dict[int, RunData]]:
+    """{run name without the seed suffix: {seed: run}}."""
+    out: dict[str, dict[int, RunData]] = {}
+    for r in runs:
+        m = SEED_SUFFIX.match(r.name)
+        name, seed = (m.group(1), int(m.group(2))) if m else (r.name, 0)
+        out.setdefault(name, {})[seed] = r
+    return out
+
+
+def _at(run: RunData, kind: str, step: int, **match) -> dict | None:
+    hits = [e for e in run.results if e["kind"] == kind and e.get("step") == step
+            and all(e.get(k) == v for k, v in match.items())]
+    return hits[-1] if hits else None
+
+
+def _task(run: RunData) -> str | None:
+    tasks = sorted({e["task"] for e in run.results if e["kind"] == "probe"})
+    return tasks[0] if tasks else None
+
+
+def _measured_steps(run: RunData) -> list[int]:
+    """Checkpoint steps with an exact loss and a probe result, ascending."""
+    probe = {e["step"] for e in run.results if e["kind"] == "probe"}
+    return sorted(s for s in (e["step"] for e in run.results if e["kind"] == "exact_loss") if s in probe)
+
+
+def _point(run: RunData, step: int) -> dict:
+    """Exact loss, probe accuracy (first task) and Tr(H) (if measured) of one checkpoint."""
+    loss = _at(run, "exact_loss", step)
+    probe = _at(run, "probe", step, task=_task(run))
+    trace = _at(run, "flatness", step)
+    return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
+            "trace": trace["trace"] if trace else None}
+
+
+def _finding(name: str, control: dict[int, float], treatment: dict[int, float], sign: int,
+             checks: list[claims.SameLoss], scale: float = 1.0, unit: str = "") -> Finding:
+    control = {s: v for s, v in control.items() if v is not None}
+    treatment = {s: v for s, v in treatment.items() if v is not None}
+    if len(set(control) & set(treatment)) < 2:
+        return Finding(name, sign, None, "inconclusive", scale, unit)
+    effect = claims.paired_effect(control, treatment)
+    return Finding(name, sign, effect, claims.verdict(effect, sign, checks), scale, unit)
+
+
+def _pairs(first: dict[int, dict], last: dict[int, dict], label: str, findings_spec, notes) -> tuple:
+    """Same-loss checks of (first[s], last[s]) per seed and the findings over the seeds."""
+    checks = [(f"{label} seed {s}", claims.same_loss(first[s]["loss"], last[s]["loss"]))
+              for s in sorted(set(first) & set(last)) if first[s]["loss"] and last[s]["loss"]]
+    found = [_finding(name, {s: p[key] for s, p in first.items()}, {s: p[key] for s, p in last.items()}, sign,
+                      [c for _, c in checks], scale, unit) for name, key, sign, scale, unit in findings_spec]
+    return found, checks
+
+
+ACC = ("probe accuracy", "accuracy", +1, 100.0, " pp")  # (name, key, the paper's sign, print scale, unit)
+ACC_DOWN = ("probe accuracy", "accuracy", -1, 100.0, " pp")
+TRACE_DOWN = ("Tr(H)", "trace", -1, 1.0, "")
+TRACE_UP = ("Tr(H)", "trace", +1, 1.0, "")
+
+
+def _named(spec, prefix):
+    return [(f"{name}: {prefix}", key, sign, scale, unit) for name, key, sign, scale, unit in spec]
+
+
+def _after_convergence(runs: dict[int, RunData]) -> tuple[dict, dict, list[str]]:
+    """First and last measured checkpoints at or after each seed's convergence step (convergence.json)."""
+    first, last, notes = {}, {}, []
+    for seed, run in runs.items():
+        conv = run.path / "convergence.json"
+        at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
+        steps = [s for s in _measured_steps(run) if at is not None and s >= at]
+        if len(steps) < 2:
+            notes.append(f"seed {seed}: {len(steps)} measured checkpoint(s) after convergence (step {at})")
+            continue
+        first[seed], last[seed] = _point(run, steps[0]), _point(run, steps[-1])
+    return first, last, notes
+
+
+def claim_c1(exp: Path) -> ClaimResult:
+    """Figure 1: first vs last checkpoint after convergence, per seed."""
+    groups = _by_seed(find_runs([str(exp)]))
+    first, last, notes = {}, {}, []
+    for runs in groups.values():
+        f, la, n = _after_convergence(runs)
+        first.update(f)
+        last.update(la)
+        notes.extend(n)
+    found, checks = _pairs(first, last, "first vs last after convergence",
+                           _named((ACC, TRACE_DOWN), "last - first checkpoint after convergence"), notes)
+    return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes)
+
+
+def _final(run: RunData) -> dict:
+    steps = _measured_steps(run)
+    return _point(run, steps[-1]) if steps else {"loss": None, "accuracy": None, "trace": None}
+
+
+def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], list[str]]:
+    runs = find_runs([str(exp)])
+    sizes = {}
+    for r in runs:
+        r.num_params = param_count(r)
+        m = SEED_SUFFIX.match(r.name)
+        sizes.setdefault(int(m.group(2)) if m else 0, []).append(r)
+    small, large, notes = {}, {}, []
+    for seed, members in sizes.items():
+        members.sort(key=lambda r: r.num_params)
+        if len(members) < 2:
+            notes.append(f"seed {seed}: one model size only")
+            continue
+        small[seed], large[seed] = _final(members[0]), _final(members[-1])
+        notes.append(f"seed {seed}: {members[0].name} ({members[0].num_params:,} parameters) vs "
+                     f"{members[-1].name} ({members[-1].num_params:,})")
+    return small, large, notes
+
+
+def claim_c2(fig2: Path, fig5: Path) -> ClaimResult:
+    """Figures 2 and 5: smallest vs largest model at the final checkpoint, per seed."""
+    small, large, notes = _smallest_and_largest(fig2)
+    found, checks = _pairs(small, large, "fig2 smallest vs largest", _named((ACC,), "largest - smallest"), notes)
+    small5, large5, notes5 = _smallest_and_largest(fig5)
+    found5, checks5 = _pairs(small5, large5, "fig5 smallest vs largest",
+                             _named((TRACE_DOWN,), "largest - smallest, after growth into one shape"), notes5)
+    return ClaimResult("C2", *SUITE["C2"][:2], found + found5, checks + checks5, notes + notes5)
+
+
+def claim_c3(*exps: Path) -> ClaimResult:
+    """Tables 1 and 2: AdamW vs each adversarial run at the final checkpoint, per seed."""
+    found, checks, notes = [], [], []
+    for exp in exps:
+        groups = _by_seed(find_runs([str(exp)]))
+        control = {s: _final(r) for s, r in groups.get("adamw", {}).items()}
+        for name in sorted(n for n in groups if n.startswith("adversarial")):
+            treated = {s: _final(r) for s, r in groups[name].items()}
+            f, c = _pairs(control, treated, f"{exp.name} adamw vs {name}",
+                          _named((ACC_DOWN, TRACE_UP), f"{name} - adamw ({exp.name})"), notes)
+            found += f
+            checks += c
+        lookups = [e for r in groups.get("adamw", {}).values() for e in r.results if e["kind"] == "lookup_table"]
+        for e in lookups[:1]:
+            notes.append(f"{exp.name}: lookup table (optimal loss) probe accuracy {100 * e['accuracy']:.1f}% "
+                         f"on task {e['task']}")
+    return ClaimResult("C3", *SUITE["C3"][:2], found, checks, notes)
+
+
+def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
+    """Figure 3: SGD first vs last checkpoint after convergence; Spearman(Tr(H), accuracy) over equal-loss models."""
+    first, last, notes = {}, {}, []
+    for runs in _by_seed(find_runs([str(fig3)])).values():
+        f, la, n = _after_convergence(runs)
+        first.update(f)
+        last.update(la)
+        notes.extend(n)
+    found, checks = _pairs(first, last, "SGD first vs last after convergence",
+                           _named((TRACE_DOWN, ACC), "last - first SGD checkpoint after convergence"), notes)
+    pts = [(p["trace"], p["accuracy"]) for d in [fig3, *equal_loss_dirs] if d.exists() for r in find_runs([str(d)])
+           for p in [_final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
+           and p["loss"]["kl"] <= claims.MAX_KL]
+    if len(pts) >= 4:
+        rho, lo, hi = spearman_with_ci([t for t, _ in pts], [a for _, a in pts])
+        effect = claims.Effect(rho, lo, hi, tuple(float("nan") for _ in pts))
+        found.append(Finding(f"Spearman(Tr(H), accuracy) over {len(pts)} equal-loss models (bootstrap CI)", -1,
+                             effect, claims.verdict(effect, -1)))
+    else:
+        notes.append(f"only {len(pts)} equal-loss models with Tr(H) and accuracy: no rank correlation")
+    return ClaimResult("C4", *SUITE["C4"][:2], found, checks, notes)
+
+
+def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:
+    """The verdict of every claim whose experiments exist under `workdir`."""
+    d = {name: experiment_dir(workdir, name, lang) for spec in SUITE.values() for name, lang in spec[2]}
+    make = {"C1": lambda: claim_c1(d["fig1_after_convergence"]),
+            "C2": lambda: claim_c2(d["fig2_model_sizes"], d["fig5_grown_sizes"]),
+            "C3": lambda: claim_c3(d["table2"], d["table1"]),
+            "C4": lambda: claim_c4(d["fig3_sgd"], [d["fig1_after_convergence"], d["fig2_model_sizes"],
+                                                   d["table2"], d["table1"]])}
+    out = []
+    for cid in claim_ids or tuple(SUITE):
+        if all(d[name].exists() for name, _ in SUITE[cid][2]):
+            out.append(make[cid]())
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the report
+
+
+def _line(f: Finding) -> str:
+    effect = "not measured" if f.effect is None else f.effect.describe(f.scale, f.unit)
+    direction = "higher" if f.expected_sign > 0 else "lower"
+    return f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
+
+
+def write_report(workdir: str, results: list[ClaimResult], timings: dict, command: str) -> Path:
+    """`<workdir>/report/reproduction.md`: a verdict line per claim, its effects with CIs, every "same loss"
+    check, notes, and per-experiment figures (`flatlm.report.make_report`) under `<workdir>/report/<exp>/`."""
+    out = Path(workdir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(timings.values())
+    md = [f"# flatlm reproduction\n\nCommand: `{command}`; {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: "
+          f"{platform.machine()}, {os.cpu_count()} CPU cores; wall time of the experiments: {total / 60:.1f} min "
+          f"({', '.join(f'{k} {v / 60:.1f}' for k, v in sorted(timings.items()))}).\n",
+          f'"Same loss": every compared model has exact KL <= {claims.MAX_KL} nats and compared exact losses differ '
+          f"by less than max({claims.MIN_LOSS_GAP} nats, 2 x the larger 5-subset std). Effects are per-seed "
+          f"differences with a {int(claims.CONFIDENCE * 100)}% t-interval; a claim is reproduced when every "
+          "interval lies on the paper's side, not reproduced when one lies on the other side, otherwise "
+          "inconclusive (also whenever a compared pair is not at the same loss).\n",
+          "| claim | paper | verdict |", "|---|---|---|"]
+    md += [f"| {r.claim}: {r.title} | {r.figures} | **{r.verdict}** |" for r in results]
+    for r in results:
+        md.append(f"\n## {r.claim} ({r.figures}): {r.title} -- {r.verdict}\n")
+        md += [_line(f) for f in r.findings] or ["- no effect could be measured"]
+        md += ["", "Same-loss checks:"] + [f"- {name}: {c.describe()}" for name, c in r.same_loss]
+        md += ["", "Notes:"] + [f"- {n}" for n in r.notes] if r.notes else []
+    for name in sorted(timings):
+        exp = Path(workdir) / name
+        if exp.exists():
+            make_report([str(exp)], str(out / name))
+            md.append(f"\n## Figures: {name}\n\n[report]({name}/report.md)\n")
+            md += [f"![{p.stem}]({name}/{p.name})" for p in sorted((out / name).glob("*.png"))]
+    path = out / "reproduction.md"
+    tmp = out / ".reproduction.md.tmp"
+    tmp.write_text("\n".join(md) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,111 @@
+"""flatlm.reproduce on synthetic experiment workdirs: each claim's effects, "same loss" checks and verdicts, and
+the report (the experiments themselves are tested elsewhere; a slow test runs one claim end to end)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from flatlm import reproduce
+from flatlm.config import base_config
+
+SEEDS = (0, 1, 2)
+
+
+def _run(exp, name, points, d_model=64, converged_at=None):
+    """A run folder with config.json, results.json ({step: (loss, kl, accuracy, trace)}) and convergence.json."""
+    d = exp / "runs" / name
+    d.mkdir(parents=True)
+    c = base_config()
+    c.model.d_model = d_model
+    (d / "config.json").write_text(c.to_json_best_effort())
+    results = []
+    for step, (loss, kl, acc, trace) in points.items():
+        results += [{"kind": "exact_loss", "step": step, "loss": loss, "kl": kl, "loss_std": 0.001, "entropy": 1.0,
+                     "log_kl": -4.0},
+                    {"kind": "probe", "step": step, "task": "k6", "accuracy": acc, "accuracy_std": 0.01}]
+        if trace is not None:
+            results.append({"kind": "flatness", "step": step, "method": "fisher", "trace": trace,
+                            "trace_stderr": 0.1})
+    (d / "results.json").write_text(json.dumps({"results": results}))
+    if converged_at is not None:
+        (d / "convergence.json").write_text(json.dumps({"converged_at": converged_at}))
+
+
+def _dir(workdir, name):
+    language = next(lang for spec in reproduce.SUITE.values() for n, lang in spec[2] if n == name)
+    return reproduce.experiment_dir(str(workdir), name, language)
+
+
+def test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced(tmp_path):
+    for name in ("table2", "table1"):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40 + 0.01 * s, 5.0 + s)})
+            _run(exp, f"adversarial-lam1-seed{s}", {900: (2.002, 0.012, 0.25 + 0.012 * s, 7.0 + s)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
+    assert [f.verdict for f in result.findings] == ["reproduced"] * 4 and result.verdict == "reproduced"
+    acc = result.findings[0]
+    assert acc.effect.num_seeds == 3 and acc.effect.mean == pytest.approx(-0.148)  # mean of -0.15 + 0.002 s
+    assert len(result.same_loss) == 6 and all(c.ok for _, c in result.same_loss)
+
+
+def test_c3_is_inconclusive_when_a_pair_is_not_at_the_same_loss(tmp_path):
+    for name in ("table2", "table1"):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40, 5.0 + s)})
+            kl = 0.05 if s == 1 else 0.012  # one adversarial seed outside the KL band
+            _run(exp, f"adversarial-lam1-seed{s}", {900: (2.002, kl, 0.25 - 0.01 * s, 7.0 + s)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
+    assert result.verdict == "inconclusive" and any(not c.ok for _, c in result.same_loss)
+
+
+@pytest.mark.parametrize("late_acc, want", [(0.45, "reproduced"), (0.30, "not reproduced")])
+def test_c1_compares_the_first_and_last_checkpoint_after_convergence(tmp_path, late_acc, want):
+    exp = _dir(tmp_path, "fig1_after_convergence")
+    for s in SEEDS:
+        _run(exp, f"adamw-seed{s}", {100: (2.2, 0.2, 0.1, 9.0), 200: (2.001, 0.010, 0.35 + 0.001 * s, 6.0),
+                                     800: (2.000, 0.009, late_acc + 0.002 * s, 4.0 - 0.1 * s)}, converged_at=200)
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C1",))
+    acc, trace = result.findings
+    assert acc.verdict == want and trace.verdict == "reproduced" and result.verdict == want
+    assert acc.effect.mean == pytest.approx(late_acc - 0.35 + 0.001, abs=1e-9)
+
+
+def test_c2_orders_models_by_parameter_count(tmp_path):
+    for name, _key in (("fig2_model_sizes", "acc"), ("fig5_grown_sizes", "trace")):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            for i, d in enumerate((32, 64, 128)):  # written largest-last, named so that order by name is wrong
+                acc, trace = 0.3 + 0.05 * i + 0.01 * s, 8.0 - i - 0.1 * s
+                _run(exp, f"z{3 - i}-seed{s}", {120: (2.0 + 0.001 * i, 0.01, acc, trace)}, d_model=d)
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C2",))
+    assert [f.verdict for f in result.findings] == ["reproduced", "reproduced"]
+    assert result.findings[0].effect.mean == pytest.approx(0.10)
+    assert result.findings[1].effect.mean == pytest.approx(-2.0)
+
+
+def test_the_report_has_a_verdict_line_per_claim(tmp_path):
+    test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced(tmp_path)
+    results = reproduce.evaluate_claims(str(tmp_path))
+    path = reproduce.write_report(str(tmp_path), results, {}, "flatlm reproduce --preset cpu --workdir X")
+    text = path.read_text()
+    assert [r.claim for r in results] == ["C3"]  # only claims whose experiments exist
+    assert "| C3: the adversarial objective" in text and "**reproduced**" in text
+    assert "same loss: KL 0.0100 / 0.0120 nats" in text
+
+
+@pytest.mark.slow
+def test_reproduce_runs_one_claim_end_to_end(tmp_path):
+    """C3 at the tiny preset through the real CLI: experiments, evaluation, verdicts, report."""
+    proc = run_cli("reproduce", "--preset", "tiny", "--workdir", str(tmp_path), "--claims", "C3", "--quiet",
+                   "--json", timeout=3000)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert [c["claim"] for c in out["claims"]] == ["C3"] and out["claims"][0]["verdict"] in ("reproduced",
+                                                                                            "not reproduced",
+                                                                                            "inconclusive")
+    assert "## C3" in (tmp_path / "report" / "reproduction.md").read_text()
