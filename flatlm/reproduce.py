@@ -154,7 +154,7 @@ def _finding(name: str, control: dict[int, float], treatment: dict[int, float], 
     return Finding(name, sign, effect, claims.verdict(effect, sign, checks), scale, unit)
 
 
-def _pairs(first: dict[int, dict], last: dict[int, dict], label: str, findings_spec, notes) -> tuple:
+def _pairs(first: dict[int, dict], last: dict[int, dict], label: str, findings_spec) -> tuple:
     """Same-loss checks of (first[s], last[s]) per seed and the findings over the seeds."""
     checks = [(f"{label} seed {s}", claims.same_loss(first[s]["loss"], last[s]["loss"]))
               for s in sorted(set(first) & set(last)) if first[s]["loss"] and last[s]["loss"]]
@@ -173,10 +173,10 @@ def _named(spec, prefix):
     return [(f"{name}: {prefix}", key, sign, scale, unit) for name, key, sign, scale, unit in spec]
 
 
-def _after_convergence(runs: dict[int, RunData]) -> tuple[dict, dict, list[str]]:
+def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
     """First and last measured checkpoints at or after each seed's convergence step (convergence.json)."""
     first, last, notes = {}, {}, []
-    for seed, run in runs.items():
+    for seed, run in ((s, r) for runs in _by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
         conv = run.path / "convergence.json"
         at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
         steps = [s for s in _measured_steps(run) if at is not None and s >= at]
@@ -189,15 +189,9 @@ def _after_convergence(runs: dict[int, RunData]) -> tuple[dict, dict, list[str]]
 
 def claim_c1(exp: Path) -> ClaimResult:
     """Figure 1: first vs last checkpoint after convergence, per seed."""
-    groups = _by_seed(find_runs([str(exp)]))
-    first, last, notes = {}, {}, []
-    for runs in groups.values():
-        f, la, n = _after_convergence(runs)
-        first.update(f)
-        last.update(la)
-        notes.extend(n)
+    first, last, notes = _after_convergence(exp)
     found, checks = _pairs(first, last, "first vs last after convergence",
-                           _named((ACC, TRACE_DOWN), "last - first checkpoint after convergence"), notes)
+                           _named((ACC, TRACE_DOWN), "last - first checkpoint after convergence"))
     return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes)
 
 
@@ -228,10 +222,10 @@ def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], 
 def claim_c2(fig2: Path, fig5: Path) -> ClaimResult:
     """Figures 2 and 5: smallest vs largest model at the final checkpoint, per seed."""
     small, large, notes = _smallest_and_largest(fig2)
-    found, checks = _pairs(small, large, "fig2 smallest vs largest", _named((ACC,), "largest - smallest"), notes)
+    found, checks = _pairs(small, large, "fig2 smallest vs largest", _named((ACC,), "largest - smallest"))
     small5, large5, notes5 = _smallest_and_largest(fig5)
     found5, checks5 = _pairs(small5, large5, "fig5 smallest vs largest",
-                             _named((TRACE_DOWN,), "largest - smallest, after growth into one shape"), notes5)
+                             _named((TRACE_DOWN,), "largest - smallest, after growth into one shape"))
     return ClaimResult("C2", *SUITE["C2"][:2], found + found5, checks + checks5, notes + notes5)
 
 
@@ -244,7 +238,7 @@ def claim_c3(*exps: Path) -> ClaimResult:
         for name in sorted(n for n in groups if n.startswith("adversarial")):
             treated = {s: _final(r) for s, r in groups[name].items()}
             f, c = _pairs(control, treated, f"{exp.name} adamw vs {name}",
-                          _named((ACC_DOWN, TRACE_UP), f"{name} - adamw ({exp.name})"), notes)
+                          _named((ACC_DOWN, TRACE_UP), f"{name} - adamw ({exp.name})"))
             found += f
             checks += c
         lookups = [e for r in groups.get("adamw", {}).values() for e in r.results if e["kind"] == "lookup_table"]
@@ -256,14 +250,9 @@ def claim_c3(*exps: Path) -> ClaimResult:
 
 def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
     """Figure 3: SGD first vs last checkpoint after convergence; Spearman(Tr(H), accuracy) over equal-loss models."""
-    first, last, notes = {}, {}, []
-    for runs in _by_seed(find_runs([str(fig3)])).values():
-        f, la, n = _after_convergence(runs)
-        first.update(f)
-        last.update(la)
-        notes.extend(n)
+    first, last, notes = _after_convergence(fig3)
     found, checks = _pairs(first, last, "SGD first vs last after convergence",
-                           _named((TRACE_DOWN, ACC), "last - first SGD checkpoint after convergence"), notes)
+                           _named((TRACE_DOWN, ACC), "last - first SGD checkpoint after convergence"))
     pts = [(p["trace"], p["accuracy"]) for d in [fig3, *equal_loss_dirs] if d.exists() for r in find_runs([str(d)])
            for p in [_final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
            and p["loss"]["kl"] <= claims.MAX_KL]
