@@ -8,9 +8,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
 
+from flatlm.checkpoint import DamagedCheckpoint  # noqa: E402
 from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
-from flatlm.errors import UserError  # noqa: E402
+from flatlm.errors import DiskFull, UserError  # noqa: E402
 from flatlm.train.loop import NonFiniteLoss  # noqa: E402
 
 VERBS = (train, data, demo, evaluate, flatness, grow, experiment, report, theory)  # each has add_parser(sub)
@@ -26,7 +27,8 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; exit code 0, 1 (training diverged), 2 (user error) or 130 (interrupted)."""
+    """Run one verb; exit code 0, 1 (training diverged, disk full, damaged checkpoint), 2 (user error) or 130
+    (interrupted)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     try:
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteLoss as e:
         print(f"flatlm: training stopped: {e}", file=sys.stderr)
+        return 1
+    except (DiskFull, DamagedCheckpoint) as e:
+        print(f"flatlm: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("flatlm: interrupted", file=sys.stderr)

@@ -38,8 +38,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
               groups=groups)
     entries = []
-    for step in tqdm(steps, desc=f"flatness ({'gap' if gap else method})", disable=not progress, file=sys.stderr):
-        params = run.load_params(step)
+    for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
+                                                   disable=not progress, file=sys.stderr)):
         if grow_to is not None:
             params = grow.embed(params, run.model.cfg, model.cfg)
         key = jax.random.key(seed + step)

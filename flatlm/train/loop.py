@@ -204,13 +204,11 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources.get("train"),
                                  language=run.language, process_index=jax.process_index(),
                                  process_count=jax.process_count())
-    start = mngr.latest_step()
-    if start is not None:
-        state = ckpt.restore(mngr, start, setup.abstract_state(), it)
-        log.info("resumed from step %d", start)
-    else:
-        start = 0
+    state, start = ckpt.restore_latest(mngr, setup.abstract_state(), it)  # damaged steps moved aside
+    if state is None:
         state = init_state(run, setup)
+    else:
+        log.info("resumed from step %d", start)
     adv_objective, down_batches = adversarial_setup(run, start)
     step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
