@@ -230,10 +230,9 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
         step, metrics = entry
         metrics = jax.device_get(metrics)
         if not np.isfinite(metrics["train/loss"]) or not np.isfinite(metrics["train/param_norm"]):
-            raise NonFiniteLoss(
-                f"non-finite loss at step {step}; the last good checkpoint (step {last_saved}) is intact; "
-                "lower --config.train.lr or enable --config.train.grad_clip"
-            )
+            kept = f"the last good checkpoint (step {last_saved}) is intact" if last_saved else "no checkpoint yet"
+            raise NonFiniteLoss(f"non-finite loss at step {step}; {kept}; "
+                                "lower --config.train.lr or enable --config.train.grad_clip")
         if step % c.train.log_every == 0 or step == c.train.steps:
             now = time.time()
             metrics["train/steps_per_sec"] = steps_since / max(now - t_last, 1e-9)
