@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+from flatlm.errors import DiskFull, disk_full_is_one_line
 
 
 def _scalar(v):
@@ -24,7 +27,9 @@ class MetricWriter:
         if not enabled:
             return
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(Path(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+        self.workdir = workdir
+        # unbuffered: a row that does not fit on the disk is cut off again (`write`), never left half-written
+        self._jsonl = open(Path(workdir, "metrics.jsonl"), "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self._tb = SummaryWriter(str(Path(workdir, "tensorboard")))
 
     def write(self, step: int, metrics: dict) -> None:
@@ -32,8 +37,16 @@ class MetricWriter:
         if not self.enabled:
             return
         row = {"step": int(step), "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
+        data, size = (json.dumps(row) + "\n").encode(), os.fstat(self._jsonl.fileno()).st_size
+        try:
+            with disk_full_is_one_line(f"no space left on {self.workdir} while writing the metrics of step "
+                                       f"{step}; checkpoints are intact"):
+                written = 0
+                while written < len(data):
+                    written += self._jsonl.write(data[written:])
+        except DiskFull:
+            os.ftruncate(self._jsonl.fileno(), size)
+            raise
         for k, v in row.items():
             if k not in ("step", "time") and isinstance(v, float):
                 self._tb.add_scalar(k, v, step)

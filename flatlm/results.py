@@ -12,6 +12,8 @@ import os
 import time
 from pathlib import Path
 
+from flatlm.errors import disk_full_is_one_line
+
 
 def _clean(x):
     if isinstance(x, float) and not math.isfinite(x):
@@ -41,8 +43,13 @@ def append(workdir: str, entries: list[dict]) -> None:
     now = time.time()
     new = old + [_clean({"time": now, **e}) for e in entries]
     tmp = path.with_name(f".results.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"results": new}, indent=1))
-    os.replace(tmp, path)
+    try:
+        with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
+                                   "its earlier results are intact"):
+            tmp.write_text(json.dumps({"results": new}, indent=1))
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def latest(entries: list[dict], **match) -> dict | None:
