@@ -2,16 +2,47 @@
 
 Layout: `<workdir>/checkpoints/<step>/{state,data}`. `state` is the train state pytree
 ({"step", "params", "opt_state"}), `data` the grain iterator position (absent for evaluation-only loads).
+
+Nothing lost, nothing silently wrong: after orbax commits a step folder, `<step>/flatlm_sha256.json` records the
+size and sha256 of each of its files. Restoring checks them (a step saved without them, by an older flatlm or a
+kill between commit and checksums, is checked by orbax's own restore only); a damaged step is moved to
+`<workdir>/checkpoints_damaged/<step>` (never deleted) and reported in one line. Training then resumes from the
+newest step that verifies; evaluators skip the damaged step. Running out of disk while saving raises `DiskFull`
+with one line, after removing orbax's half-written temporary folder; earlier steps stay as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
 from pathlib import Path
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from flatlm.config import check_positive
+from flatlm.errors import DiskFull, UserError, disk_full_is_one_line, is_disk_full
+
+MANIFEST = "flatlm_sha256.json"  # in each step folder: {"files": {relative path: {"size", "sha256"}}}
+DAMAGED = "checkpoints_damaged"  # <workdir>/checkpoints_damaged/<step>: where damaged step folders go
+# What orbax / tensorstore / grain raise on missing, truncated or garbled files (json errors are ValueErrors);
+# orbax wraps tensorstore's in a bare Exception, so the whole chain is searched (`_damage_error`)
+DAMAGE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint failed its checksums or orbax's checks while being restored; it has been moved aside."""
+
+    def __init__(self, step: int, reason: str, moved_to: Path):
+        self.step, self.reason, self.moved_to = step, reason, moved_to
+        super().__init__(f"checkpoint {step} is damaged ({reason}); moved to {moved_to}")
 
 
 def validate_config(checkpoint) -> None:
@@ -52,17 +83,173 @@ def manager(workdir: str, keep: int = 3, pinned: PinnedSteps | None = None,
     )
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(step_dir: Path) -> None:
+    """Record the size and sha256 of every file of a committed step folder in `<step_dir>/flatlm_sha256.json`,
+    atomically (a temporary file, fsync, rename)."""
+    files = {p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"version": 1, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, step_dir / MANIFEST)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_files(step_dir: Path, skip: str | None = None) -> tuple[str | None, bool]:
+    """(why `step_dir`'s files differ from its checksums, or None; whether it has checksums at all). Files under
+    `skip` (e.g. "data/") are not checked. Files added after the checksums were written are ignored."""
+    path = step_dir / MANIFEST
+    if not path.exists():
+        return None, False
+    try:
+        files = json.loads(path.read_text())["files"]
+        wanted = sorted((rel, int(f["size"]), str(f["sha256"])) for rel, f in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"its checksum file {MANIFEST} is unreadable", True
+    for rel, size, digest in wanted:
+        if skip is not None and rel.startswith(skip):
+            continue
+        top = rel.split("/")[0]
+        if "/" in rel and not (step_dir / top).is_dir():
+            return f"{top}/ is missing", True
+        p = step_dir / rel
+        if not p.is_file():
+            return f"{rel} is missing", True
+        if p.stat().st_size != size:
+            return f"{rel} has {p.stat().st_size} bytes, {size} were written", True
+        if _sha256(p) != digest:
+            return f"{rel} does not match its checksum", True
+    return None, True
+
+
+def move_aside(workdir, step: int) -> Path:
+    """Move `<workdir>/checkpoints/<step>` to `<workdir>/checkpoints_damaged/<step>` (`<step>.2`, ... if taken);
+    process 0 moves, every process gets the destination."""
+    root = Path(workdir, DAMAGED).absolute()
+    dest, n = root / str(step), 1
+    while dest.exists():
+        n += 1
+        dest = root / f"{step}.{n}"
+    if jax.process_index() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        os.replace(Path(workdir, "checkpoints", str(step)), dest)
+    return dest
+
+
+def _damage_error(e: BaseException | None) -> BaseException | None:
+    """The innermost exception of `e`'s chain that reads like a damaged file (DAMAGE_ERRORS), else None."""
+    found, seen = None, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DAMAGE_ERRORS):
+            found = e
+        e = e.__cause__ or e.__context__
+    return found
+
+
+def _summary(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
+def _verified(workdir, step: int, load, skip: str | None = None):
+    """`load()` of checkpoint `step` after checking its checksums. On damage (checksums, or orbax's checks when
+    there are no checksums) move the step aside and raise DamagedCheckpoint. An orbax error on files that match
+    their checksums is not damage: it propagates."""
+    step_dir = Path(workdir, "checkpoints", str(step))
+    if not step_dir.is_dir():
+        raise UserError(f"{workdir} has no checkpoint {step} (it has steps {all_steps(workdir) or 'none'})")
+    reason, has_checksums = check_files(step_dir, skip)
+    if reason is None:
+        try:
+            with _quiet_if_abandoned():
+                return load()
+        except Exception as e:
+            if has_checksums or _damage_error(e) is None:
+                raise
+            reason = _summary(_damage_error(e))
+    raise DamagedCheckpoint(step, reason, move_aside(workdir, step))
+
+
+@contextlib.contextmanager
+def _quiet_if_abandoned():
+    """Run an orbax read or write. When it fails, the tensorstore callbacks of the abandoned operation still fire
+    into orbax's closed event loop, and its coroutines are collected at exit: both reach `sys.unraisablehook` as
+    hundreds of tracebacks around the one line that reports the error. Drop those: "Event loop is closed" while
+    the call runs and after it failed, and whatever is unraisable while the interpreter exits after a failure."""
+    previous = sys.unraisablehook
+    failed = False
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+        if not (closed_loop or (failed and sys.is_finalizing())):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    except BaseException:
+        failed = True  # keep the hook: the late callbacks come after the call has raised
+        raise
+    sys.unraisablehook = previous
+
+
+class _DropDiskFullLogs(logging.Filter):
+    """Drops log records about a full disk: orbax (absl) logs each failed write, asyncio each unretrieved one."""
+
+    def filter(self, record):
+        """logging's hook: False (drop) for a record that is about running out of space."""
+        return not is_disk_full(Exception(record.getMessage()))
+
+
+_DROP_DISK_FULL_LOGS = _DropDiskFullLogs()
+
+
+def _clean_up_failed_save(directory: Path, step: int) -> None:
+    """Wait for the writes of a failed save that are still under way, then remove its temporary folder."""
+    for thread in threading.enumerate():
+        if type(thread).__module__.startswith("orbax") and thread is not threading.current_thread():
+            thread.join(timeout=60)
+    for tmp in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, force: bool = True) -> None:
-    """Write checkpoint `step` (state and, if given, the data iterator's position) and wait until committed."""
+    """Write checkpoint `step` (state and, if given, the data iterator's position), wait until committed, then
+    its checksums. Out of space: DiskFull (one line), the temporary folder removed, earlier steps intact."""
     items = {"state": ocp.args.StandardSave(state)}
     if data_iterator is not None:
         items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-    mngr.save(step, args=ocp.args.Composite(**items), force=force)
-    mngr.wait_until_finished()
+    directory = Path(mngr.directory)
+    for name in ("absl", "asyncio"):  # orbax logs each failed write, asyncio each unretrieved one (later, at exit)
+        if _DROP_DISK_FULL_LOGS not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_DROP_DISK_FULL_LOGS)
+    try:
+        with disk_full_is_one_line(f"no space left on {directory} while writing checkpoint {step}; "
+                                   "earlier checkpoints are intact"):
+            with _quiet_if_abandoned():
+                mngr.save(step, args=ocp.args.Composite(**items), force=force)
+                mngr.wait_until_finished()
+            if jax.process_index() == 0:
+                write_manifest(directory / str(step))
+    except DiskFull:
+        _clean_up_failed_save(directory, step)
+        raise
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterator=None):
-    """Restore `state` with the shardings of `abstract_state` (ShapeDtypeStructs); and the iterator in place."""
+    """Restore `state` with the shardings of `abstract_state` (ShapeDtypeStructs); and the iterator in place.
+    No checks beyond orbax's own: `restore_latest` is the verified way in."""
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -70,17 +257,51 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterato
     return restored["state"]
 
 
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iterator=None) -> tuple[dict | None, int]:
+    """(state, step) of the newest checkpoint that verifies, with the iterator restored in place; (None, 0) if
+    there is none. Each damaged newer step is moved aside and reported in one line on stderr."""
+    workdir = Path(mngr.directory).parent
+    damaged: list[DamagedCheckpoint] = []
+    state, start, done = None, 0, False
+    try:
+        for step in sorted(mngr.all_steps(), reverse=True):
+            try:
+                state = _verified(workdir, step, lambda s=step: restore(mngr, s, abstract_state, data_iterator))
+            except DamagedCheckpoint as e:
+                damaged.append(e)
+                mngr.reload()  # forget the moved step: it may be written again, and must not be garbage-collected
+                continue
+            start = step
+            break
+        done = True
+    finally:
+        outcome = f"resuming from step {start}" if start else "no earlier checkpoint verifies; starting from step 0"
+        for e in damaged:
+            print(f"flatlm: {e}" + (f"; {outcome}" if done else ""), file=sys.stderr)
+    return state, start
+
+
 def restore_params(workdir: str, step: int, abstract_params):
     """Only the parameters of checkpoint `step` (for evaluators), placed as `abstract_params` (ShapeDtypeStructs
-    with shardings) asks. The optimizer state stays on disk: a partial restore of the saved `state` item."""
-    mngr = ocp.CheckpointManager(Path(workdir, "checkpoints").absolute(),
-                                 options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-                                 item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    target = {"params": abstract_params}
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
-    mngr.close()
-    return restored["state"]["params"]
+    with shardings) asks. The optimizer state stays on disk: a partial restore of the saved `state` item.
+
+    Verified first (all but the data iterator's files): a damaged step is moved aside and DamagedCheckpoint
+    raised, so no evaluator reads it."""
+
+    def load():
+        mngr = ocp.CheckpointManager(Path(workdir, "checkpoints").absolute(),
+                                     options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                     item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+        target = {"params": abstract_params}
+        try:
+            restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True)))
+        finally:
+            mngr.close()
+        return restored["state"]["params"]
+
+    return _verified(workdir, step, load, skip="data/")
 
 
 def all_steps(workdir: str) -> list[int]:

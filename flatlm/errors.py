@@ -1,4 +1,12 @@
-"""User-facing errors: the CLI turns these into one line on stderr and exit code 2 (no traceback)."""
+"""User-facing errors: the CLI turns these into one line on stderr and an exit code (no traceback).
+
+`UserError` (exit 2) is a mistake in the user's input; `DiskFull` (exit 1) is the machine running out of space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
 
 
 class UserError(ValueError):
@@ -6,3 +14,35 @@ class UserError(ValueError):
 
     A ValueError, so library callers that catch bad values catch these too.
     """
+
+
+class DiskFull(RuntimeError):
+    """No space left on a device while writing; what was written before is intact. The CLI exits 1."""
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a write that failed for lack of space.
+
+    Python's own writes raise OSError(ENOSPC); tensorstore (orbax) raises ValueError("RESOURCE_EXHAUSTED: ...
+    No space left on device [os_error_code='28']") from its worker threads.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or f"os_error_code='{errno.ENOSPC}'" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(message: str):
+    """Inside the block, a write that fails for lack of space raises DiskFull(message) instead."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFull(message) from e

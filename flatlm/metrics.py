@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from tensorboardX import SummaryWriter
 
+from flatlm.errors import DiskFull, disk_full_is_one_line
+
 
 def _scalar(v):
     v = float(np.asarray(v))
@@ -58,7 +60,9 @@ class MetricWriter:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             truncate_metrics(workdir, resume_step)
-        self._jsonl = open(Path(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+        self.workdir = workdir
+        # unbuffered: a row that does not fit on the disk is cut off again (`write`), never left half-written
+        self._jsonl = open(Path(workdir, "metrics.jsonl"), "ab", buffering=0)  # noqa: SIM115 - closed in close()
         purge = None if resume_step is None else resume_step + 1
         self._tb = SummaryWriter(str(Path(workdir, "tensorboard")), purge_step=purge)
 
@@ -67,8 +71,16 @@ class MetricWriter:
         if not self.enabled:
             return
         row = {"step": int(step), "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
+        data, size = (json.dumps(row) + "\n").encode(), os.fstat(self._jsonl.fileno()).st_size
+        try:
+            with disk_full_is_one_line(f"no space left on {self.workdir} while writing the metrics of step "
+                                       f"{step}; checkpoints are intact"):
+                written = 0
+                while written < len(data):
+                    written += self._jsonl.write(data[written:])
+        except DiskFull:
+            os.ftruncate(self._jsonl.fileno(), size)
+            raise
         for k, v in row.items():
             if k not in ("step", "time") and isinstance(v, float):
                 self._tb.add_scalar(k, v, step)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from flatlm import locks
-from flatlm.errors import UserError
+from flatlm.errors import UserError, disk_full_is_one_line
 
 IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
 DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
@@ -72,8 +72,13 @@ def append(workdir: str, entries: list[dict]) -> None:
     with locks.waiting(Path(workdir, ".results.lock"), f"writing {path}"):
         kept = [e for e in load(workdir) if identity(e) not in new]
         tmp = path.with_name(f".results.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"results": kept + list(new.values())}, indent=1))
-        os.replace(tmp, path)
+        try:
+            with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
+                                       "its earlier results are intact"):
+                tmp.write_text(json.dumps({"results": kept + list(new.values())}, indent=1))
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def latest(entries: list[dict], **match) -> dict | None:

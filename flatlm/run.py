@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 
 import flax.linen as nn
 import jax
@@ -157,8 +158,20 @@ class Run:
         return ckpt.all_steps(self.workdir)
 
     def load_params(self, step: int):
-        """The parameters of checkpoint `step`, placed with the run's shardings."""
+        """The parameters of checkpoint `step`, placed with the run's shardings. Checked first: a damaged step is
+        moved to `<workdir>/checkpoints_damaged/` and `flatlm.checkpoint.DamagedCheckpoint` raised."""
         return ckpt.restore_params(self.workdir, step, self.abstract_params())
+
+    def checkpoint_params(self, steps):
+        """(step, parameters) for each of `steps` in order; a damaged step is moved aside and skipped, with one
+        line on stderr (what the evaluators iterate over, so none of them reads a damaged checkpoint)."""
+        for step in steps:
+            try:
+                params = self.load_params(step)
+            except ckpt.DamagedCheckpoint as e:
+                print(f"flatlm: {e}; skipping it", file=sys.stderr)
+                continue
+            yield step, params
 
     def task_names(self) -> tuple[str, ...]:
         """The run's downstream tasks (see `task_names`)."""

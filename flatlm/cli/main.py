@@ -9,9 +9,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
 
+from flatlm.checkpoint import DamagedCheckpoint  # noqa: E402
 from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, reproduce, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
-from flatlm.errors import UserError  # noqa: E402
+from flatlm.errors import DiskFull, UserError  # noqa: E402
 from flatlm.train.loop import NonFiniteLoss, Preempted  # noqa: E402
 
 # A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
@@ -29,8 +30,8 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; exit code 0, 1 (training diverged), 2 (user error), 130 (Ctrl-C) or 143 (SIGTERM: the
-    work is saved but unfinished; rerun to resume)."""
+    """Run one verb; exit code 0, 1 (training diverged, disk full, damaged checkpoint), 2 (user error), 130
+    (Ctrl-C) or 143 (SIGTERM: the work is saved but unfinished; rerun to resume)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     try:
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteLoss as e:
         print(f"flatlm: training stopped: {e}", file=sys.stderr)
+        return 1
+    except (DiskFull, DamagedCheckpoint) as e:
+        print(f"flatlm: {e}", file=sys.stderr)
         return 1
     except Preempted as e:
         print(f"flatlm: {e}", file=sys.stderr)

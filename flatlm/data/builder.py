@@ -25,9 +25,11 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from flatlm import locks
+from flatlm.errors import UserError
 from flatlm.languages import make_language
 
 CHUNK = 1024  # sentences sampled (and conditioned) at a time while writing
+EXAMPLE_FRAMING = 100  # bytes per stored sentence beyond its arrays (feature names, lengths), at least
 
 
 @dataclasses.dataclass
@@ -122,13 +124,41 @@ def building(builder_cls: type[tfds.core.DatasetBuilder], config_name: str, data
         yield
 
 
+def split_bytes(builder: FlatlmCorpus) -> dict[str, int]:
+    """A low estimate of each split's size on disk: 4 bytes per stored int (tokens, length, latents) plus framing
+    per sentence; validation also stores the [T, V] float32 conditionals of each sentence."""
+    lang, c = builder.language, builder.builder_config
+    T, V = lang.max_length, lang.vocab_size
+    per_sentence = 4 * (T + 1 + T * len(builder._latent_names())) + EXAMPLE_FRAMING
+    return {"train": int(c.train_size) * per_sentence, "validation": int(c.eval_size) * (per_sentence + 4 * T * V)}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_space(builder: FlatlmCorpus, data_dir: str) -> None:
+    """Refuse (one line naming the estimate, the free space and the field to lower) a corpus that cannot fit."""
+    need, free = split_bytes(builder), shutil.disk_usage(data_dir).free
+    if sum(need.values()) <= free:
+        return
+    c = builder.builder_config
+    field = "data.train_size" if need["train"] >= need["validation"] else "data.eval_size"
+    raise UserError(f"the corpus ({c.train_size:,} train + {c.eval_size:,} validation sentences) needs at least "
+                    f"{_gb(sum(need.values()))} but {data_dir} has {_gb(free)} free; lower {field} "
+                    "or point data.data_dir at a larger disk")
+
+
 def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, seed: int,
           quiet: bool = False) -> FlatlmCorpus:
-    """Materialise the corpus in `data_dir` (no-op if it is already there). Returns the builder."""
+    """Materialise the corpus in `data_dir` (no-op if it is already there; refused if it cannot fit on the
+    disk, see `check_space`). Returns the builder."""
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     config = corpus_config(dict(language_spec), train_size, eval_size, seed)
     with building(FlatlmCorpus, config.name, data_dir):
         builder = FlatlmCorpus(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
+        if not builder.is_prepared():
+            check_space(builder, data_dir)
         if quiet:
             tfds.disable_progress_bar()
         with contextlib.redirect_stdout(sys.stderr):  # tfds prints its banner on stdout; keep stdout for results

@@ -71,8 +71,8 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
                                    cache_dir=cache, num_classes=classes[t], progress=progress)
             add({"kind": "lookup_table", "step": None, "task": t, **headline(out), "detail": out})
-    for step in tqdm(chosen, desc="checkpoints", disable=not progress, file=sys.stderr):
-        params = run.load_params(step)
+    for step, params in run.checkpoint_params(tqdm(chosen, desc="checkpoints", disable=not progress,
+                                                   file=sys.stderr)):
         if exact:
             add({"kind": "exact_loss", "step": step, **run_exact_loss(run, params)})
         for t in names:

@@ -50,8 +50,8 @@ def _measure_run(run: Run, steps, method: str, *, num_probes, num_batches, batch
               groups=groups)
     settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
     entries = []
-    for step in tqdm(steps, desc=f"flatness ({'gap' if gap else method})", disable=not progress, file=sys.stderr):
-        params = run.load_params(step)
+    for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
+                                                   disable=not progress, file=sys.stderr)):
         if grow_to is not None:
             params = grow.embed(params, run.model.cfg, model.cfg)
         key = jax.random.key(seed + step)

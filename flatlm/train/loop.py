@@ -228,13 +228,11 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources.get("train"),
                                  language=run.language, process_index=jax.process_index(),
                                  process_count=jax.process_count())
-    start = mngr.latest_step()
-    if start is not None:
-        state = ckpt.restore(mngr, start, setup.abstract_state(), it)
-        log.info("resumed from step %d", start)
-    else:
-        start = 0
+    state, start = ckpt.restore_latest(mngr, setup.abstract_state(), it)  # damaged steps moved aside
+    if state is None:
         state = init_state(run, setup)
+    else:
+        log.info("resumed from step %d", start)
     adv_objective, down_batches = adversarial_setup(run, start)
     step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
@@ -258,10 +256,9 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
         step, metrics = entry
         metrics = jax.device_get(metrics)
         if not np.isfinite(metrics["train/loss"]) or not np.isfinite(metrics["train/param_norm"]):
-            raise NonFiniteLoss(
-                f"non-finite loss at step {step}; the last good checkpoint (step {last_saved}) is intact; "
-                "lower --config.train.lr or enable --config.train.grad_clip"
-            )
+            kept = f"the last good checkpoint (step {last_saved}) is intact" if last_saved else "no checkpoint yet"
+            raise NonFiniteLoss(f"non-finite loss at step {step}; {kept}; "
+                                "lower --config.train.lr or enable --config.train.grad_clip")
         if step % c.train.log_every == 0 or step == c.train.steps:
             now = time.time()
             metrics["train/steps_per_sec"] = steps_since / max(now - t_last, 1e-9)
