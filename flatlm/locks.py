@@ -76,8 +76,11 @@ def _flock(path: Path, what: str, block: bool, on_wait) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "what": what}).encode(), 0)
+    try:  # who holds it, for the other process's message; the lock itself works without it (e.g. a full disk)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "what": what}).encode(), 0)
+    except OSError:
+        pass
     return fd
 
 

@@ -37,6 +37,10 @@ class FakeRun:
     def load_params(self, step: int) -> dict:
         return self.params
 
+    def checkpoint_params(self, steps):
+        for step in steps:
+            yield step, self.params
+
     def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0):
         return self.eval_batches(num_batches, batch_size, seed)
 
