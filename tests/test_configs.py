@@ -10,12 +10,12 @@ from flatlm.config import load_config
 from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
+NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table2")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
-               for preset in ("tiny", "demo", "paper")] + [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
-EXPERIMENTS = [f"{REPO}/configs/experiments/{name}.py:{arg}"
-               for name in ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1",
-                            "table2")
-               for arg in ("tiny", "paper", "tiny,hmm", "paper,pcfg")]
+               for preset in ("tiny", "cpu", "demo", "paper")]
+RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
+EXPERIMENTS = [f"{REPO}/configs/experiments/{name}.py:{arg}" for name in NAMES
+               for arg in ("tiny", "cpu", "paper", "tiny,hmm", "cpu,pcfg", "paper,pcfg")]
 
 
 @pytest.mark.parametrize("spec", RUN_CONFIGS)
@@ -29,6 +29,34 @@ def test_experiment_configs_validate(spec):
     exp = load_experiment(spec)
     validate_experiment(exp)
     assert exp.runs and all(run_config(exp, r).train.steps > 0 for r in exp.runs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_presets_fix_three_pretraining_seeds(name):
+    """Every cpu experiment repeats each run over pre-training seeds 0, 1, 2 fixed in advance; without a language
+    the cpu scale is the HMM (with the paper's BiLSTM, except Figure 5, whose growth needs BERT), table1 the PCFG."""
+    exp = load_experiment(f"{REPO}/configs/experiments/{name}.py:cpu")
+    configs = [run_config(exp, r) for r in exp.runs]
+    assert sorted({c.seed for c in configs}) == [0, 1, 2] and len(configs) % 3 == 0
+    language = {c.language.name for c in configs}
+    assert language == ({"pcfg"} if name == "table1" else {"hmm"})
+    kinds = {c.model.kind for c in configs}
+    assert kinds == ({"bert"} if name in ("table1", "fig5_grown_sizes") else {"lstm"})
+    if name in ("fig2_model_sizes", "fig5_grown_sizes"):
+        assert len({(c.model.d_model, c.model.d_hidden, c.model.num_layers) for c in configs}) >= 3
+    if name == "fig1_after_convergence":
+        c = configs[0]
+        assert c.checkpoint.after_convergence and c.train.schedule == "constant"
+    if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table2"):
+        assert exp.flatness.enabled and exp.flatness.method == "fisher"
+
+
+def test_cpu_run_presets_are_the_measured_scales():
+    hmm = load_config(f"{REPO}/configs/hmm_mlm.py:cpu")
+    language = hmm.language
+    assert (hmm.model.kind, language.num_states, language.vocab_size, language.length) == ("lstm", 12, 20, 8)
+    pcfg = load_config(f"{REPO}/configs/pcfg_mlm.py:cpu")
+    assert pcfg.model.kind == "bert" and pcfg.language.grammar.levels < 4
 
 
 def test_table1_runs_differ_only_in_the_algorithm():

@@ -11,9 +11,19 @@ def get_config(arg: str = "tiny"):
     if preset == "tiny":
         base.train.update(steps=240, eval_every=20, schedule="constant", warmup_frac=0.05)
         base.checkpoint.every = 240
+    elif preset == "cpu":
+        # Measured (HMM cpu scale, BiLSTM 64, seed 0): constant lr 1e-3 after 6% warmup gives exact KL 0.022 at step
+        # 1200, 0.020 at 2400, 0.015 at 3000: it creeps down, so "converged" is a 10% gain tolerance (patience 2
+        # evals of 200 steps), which fires around step 1500-2000; log_factor 1.4 then puts >= 4 checkpoints
+        # after it (s0 x 1.4^k for k = 1..4 <= 3.84 s0) within 8000 steps as long as s0 <= 2080.
+        base.train.update(steps=8000, eval_every=200, schedule="constant", warmup_frac=0.06, lr=1e-3)
+        base.checkpoint.update(every=8000, convergence_patience=2, convergence_tol=0.1, log_factor=1.4)
     else:
         base.train.update(steps=200_000, eval_every=2_000, schedule="constant")
         base.checkpoint.every = 10_000
-    return experiment_config("fig1_after_convergence", base, [("adamw", [])],
-                             flatness=dict(enabled=True, method="fisher"),
+    flatness = dict(enabled=True, method="fisher")
+    if preset == "cpu":  # ~7 CPU-s per checkpoint (HMM BiLSTM 64) instead of ~15 with the defaults (4 x 128, 50 draws)
+        flatness.update(num_batches=2, draws=20)
+    return experiment_config("fig1_after_convergence", base, [("adamw", [])], flatness=flatness,
+                             seeds=(0, 1, 2) if preset == "cpu" else (),
                              description="exact loss, probe accuracy and Tr(H) at log-spaced steps after convergence")

@@ -18,10 +18,25 @@ def get_config(arg: str = "tiny", default_language: str = "pcfg"):
         base.checkpoint.every = 300
         base.train.adversarial.update(d1_size=64, d2_size=64, ridge=3.0, start_step=300)
         lams = (1.0,) if language == "pcfg" else (3.0,)
+    elif preset == "cpu":
+        # Every run trains 1000 plain steps, then 1000 more (linear decay to 0) plainly or adversarially
+        # (start_step=1000, D1/D2 of 128, ridge 3). Measured on the HMM (seed 0, exact KL at step 2000; accuracies
+        # not looked at): plain 0.0122; lam 1: 0.0136 (+0.0014 nats); lam 2: 0.0163 (+0.0041 nats), both in the
+        # band; lam 3: 0.0218 (+0.0096 nats, KL above 0.02: out). So lam 2, the largest measured value that stays
+        # in the band (2000 steps with 1000 adversarial ones: ~95 CPU-s vs 44 plain). The PCFG does not reach the
+        # band at cpu scale (README); it uses the same lam and the HMM's 2000 steps: measured afterwards on seed 0,
+        # KL 0.179 plain vs 0.199 at lam 2 (+0.021 nats), so table1.py:cpu cannot test the claim.
+        base.train.update(steps=2000, eval_every=200)
+        base.checkpoint.every = 2000
+        base.train.adversarial.update(d1_size=128, d2_size=128, ridge=3.0, start_step=1000)
+        lams = (2.0,)
     else:
         base.train.adversarial.update(d1_size=256, d2_size=256, ridge=1.0)
         lams = (0.1, 1.0)
     runs = [("adamw", [])] + [(f"adversarial-lam{lam:g}", [f"--config.train.adversarial.lam={lam}"]) for lam in lams]
-    return experiment_config(f"table_{language}", base, runs, flatness=dict(enabled=preset == "paper"),
+    flatness = dict(enabled=preset != "tiny")  # the paper's Table 2 reports Tr(H)
+    if preset == "cpu":
+        flatness.update(num_batches=2, draws=20)
+    return experiment_config(f"table_{language}", base, runs, flatness=flatness,
                              seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
                              description="same loss, different downstream: the training algorithm")
