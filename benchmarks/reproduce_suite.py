@@ -23,11 +23,12 @@ def main() -> int:
     """Print one row per claim and experiment: minutes and share of the suite's total."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="runs/reproduce-cpu")
+    p.add_argument("--preset", default="cpu")
     args = p.parse_args()
     timings = reproduce.load_timings(args.workdir)
     total = sum(timings.values())
     print(f"reproduction suite in {args.workdir}: {total / 60:.1f} min measured; machine now: {load_line()}")
-    for cid, (_, _, exps) in reproduce.SUITE.items():
+    for cid, exps in reproduce.plan(args.preset).items():
         for name, language in exps:
             key = reproduce.experiment_dir(args.workdir, name, language).name
             if key in timings:

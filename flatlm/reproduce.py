@@ -75,6 +75,19 @@ class ClaimResult:
         return "inconclusive"
 
 
+# At `cpu` scale only the HMM reaches exact KL <= 0.02 on two cores (configs/experiments/README.md): the PCFG
+# experiments run on the HMM instead (fig5: BERT on the HMM), and table1 (the PCFG version of table2) is left out.
+CPU_LEFT_OUT = {"table1": "table1 (the PCFG) is left out at cpu scale: no affordable PCFG reaches KL <= 0.02 on two "
+                          "cores (measured: 0.155 after 3000 steps; configs/experiments/README.md)"}
+
+
+def plan(preset: str) -> dict[str, list[tuple[str, str]]]:
+    """{claim: [(experiment file, language)]} that `preset` runs."""
+    if preset != "cpu":
+        return {cid: list(spec[2]) for cid, spec in SUITE.items()}
+    return {cid: [(name, "hmm") for name, _ in spec[2] if name not in CPU_LEFT_OUT] for cid, spec in SUITE.items()}
+
+
 def experiment_dir(workdir: str, name: str, language: str) -> Path:
     """Where the suite keeps one experiment."""
     return Path(workdir) / f"{name}-{language}"
@@ -90,10 +103,12 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
     """Run (or resume) every experiment the chosen claims need; returns {experiment dir name: seconds}."""
     timings_path = Path(workdir) / "timings.json"
     timings = load_timings(workdir)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / "suite.json").write_text(json.dumps({"preset": preset}))
     for cid in claim_ids or tuple(SUITE):
         if cid not in SUITE:
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
-        for name, language in SUITE[cid][2]:
+        for name, language in plan(preset)[cid]:
             target = experiment_dir(workdir, name, language)
             exp = load_experiment(f"{CONFIGS / name}.py:{preset},{language}")
             t0 = time.time()
@@ -267,17 +282,23 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
 
 
 def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:
-    """The verdict of every claim whose experiments exist under `workdir`."""
-    d = {name: experiment_dir(workdir, name, lang) for spec in SUITE.values() for name, lang in spec[2]}
+    """The verdict of every claim whose experiments exist under `workdir` (for the preset `run_suite` recorded)."""
+    meta = Path(workdir) / "suite.json"
+    preset = json.loads(meta.read_text())["preset"] if meta.exists() else "cpu"
+    steps = plan(preset)
+    d = {name: experiment_dir(workdir, name, lang) for exps in steps.values() for name, lang in exps}
+    tables = [d[n] for n in ("table2", "table1") if n in d]
     make = {"C1": lambda: claim_c1(d["fig1_after_convergence"]),
             "C2": lambda: claim_c2(d["fig2_model_sizes"], d["fig5_grown_sizes"]),
-            "C3": lambda: claim_c3(d["table2"], d["table1"]),
-            "C4": lambda: claim_c4(d["fig3_sgd"], [d["fig1_after_convergence"], d["fig2_model_sizes"],
-                                                   d["table2"], d["table1"]])}
+            "C3": lambda: claim_c3(*tables),
+            "C4": lambda: claim_c4(d["fig3_sgd"], [d["fig1_after_convergence"], d["fig2_model_sizes"], *tables])}
     out = []
     for cid in claim_ids or tuple(SUITE):
-        if all(d[name].exists() for name, _ in SUITE[cid][2]):
-            out.append(make[cid]())
+        if all(d[name].exists() for name, _ in steps[cid]):
+            result = make[cid]()
+            result.notes += [why for name, why in CPU_LEFT_OUT.items() if preset == "cpu"
+                             and name in (n for n, _ in SUITE[cid][2])]
+            out.append(result)
     return out
 
 

@@ -34,8 +34,10 @@ def _run(exp, name, points, d_model=64, converged_at=None):
         (d / "convergence.json").write_text(json.dumps({"converged_at": converged_at}))
 
 
-def _dir(workdir, name):
-    language = next(lang for spec in reproduce.SUITE.values() for n, lang in spec[2] if n == name)
+def _dir(workdir, name, preset="paper"):
+    """An experiment folder of the suite (the paper preset's languages; `suite.json` records the preset)."""
+    (workdir / "suite.json").write_text(json.dumps({"preset": preset}))
+    language = next(lang for exps in reproduce.plan(preset).values() for n, lang in exps if n == name)
     return reproduce.experiment_dir(str(workdir), name, language)
 
 
@@ -86,6 +88,20 @@ def test_c2_orders_models_by_parameter_count(tmp_path):
     assert [f.verdict for f in result.findings] == ["reproduced", "reproduced"]
     assert result.findings[0].effect.mean == pytest.approx(0.10)
     assert result.findings[1].effect.mean == pytest.approx(-2.0)
+
+
+def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_out(tmp_path):
+    cpu = reproduce.plan("cpu")
+    assert all(lang == "hmm" for exps in cpu.values() for _, lang in exps)
+    assert [n for n, _ in cpu["C3"]] == ["table2"] and [n for n, _ in cpu["C2"]] == ["fig2_model_sizes",
+                                                                                     "fig5_grown_sizes"]
+    exp = _dir(tmp_path, "table2", preset="cpu")
+    for s in SEEDS:
+        _run(exp, f"adamw-seed{s}", {2000: (2.000, 0.010, 0.40, 5.0)})
+        _run(exp, f"adversarial-lam2-seed{s}", {2000: (2.002, 0.012, 0.40 + 0.01 * (s - 1), 5.0 + 0.1 * s)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
+    assert any("table1 (the PCFG) is left out" in n for n in result.notes)
+    assert result.findings[0].verdict == "inconclusive"  # accuracy differences -0.01, 0, +0.01 straddle 0
 
 
 def test_the_report_has_a_verdict_line_per_claim(tmp_path):
