@@ -160,7 +160,8 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
     if len({r.num_params for r in sized}) > 1:
         fig, ax = subplots()
         for t in tasks:
-            pts = sorted((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t))
+            pts = sorted(((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t)),
+                         key=lambda p: p[0])  # runs of one size (seeds) tie on the size: never compare entries
             ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
                         [100 * e["accuracy_std"] for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
         for r in sized:

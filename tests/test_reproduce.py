@@ -104,6 +104,14 @@ def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_o
     assert result.findings[0].verdict == "inconclusive"  # accuracy differences -0.01, 0, +0.01 straddle 0
 
 
+def test_the_report_draws_models_of_equal_size_across_seeds(tmp_path):
+    """C2's runs repeat each size over seeds; the size plot used to compare their results entries and crash."""
+    test_c2_orders_models_by_parameter_count(tmp_path)
+    path = reproduce.write_report(str(tmp_path), reproduce.evaluate_claims(str(tmp_path)),
+                                  {"fig2_model_sizes-hmm": 1.0}, "flatlm reproduce")
+    assert (path.parent / "fig2_model_sizes-hmm" / "accuracy_vs_size.png").exists()
+
+
 def test_the_report_has_a_verdict_line_per_claim(tmp_path):
     test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced(tmp_path)
     results = reproduce.evaluate_claims(str(tmp_path))
