@@ -59,6 +59,7 @@ class Effect:
     low: float
     high: float
     differences: tuple[float, ...]
+    over: str = "seeds"  # what the interval is over (a rank correlation's is over models)
 
     @property
     def num_seeds(self) -> int:
@@ -68,7 +69,7 @@ class Effect:
     def describe(self, scale: float = 1.0, unit: str = "") -> str:
         """`mean [low, high]` over n seeds, multiplied by `scale` (e.g. 100 for percentage points)."""
         return (f"{scale * self.mean:+.3g}{unit} [{scale * self.low:+.3g}, {scale * self.high:+.3g}] "
-                f"({int(CONFIDENCE * 100)}% CI, {self.num_seeds} seeds)")
+                f"({int(CONFIDENCE * 100)}% CI, {self.num_seeds} {self.over})")
 
 
 def paired_effect(control: dict[int, float], treatment: dict[int, float]) -> Effect:

@@ -188,12 +188,21 @@ def _named(spec, prefix):
     return [(f"{name}: {prefix}", key, sign, scale, unit) for name, key, sign, scale, unit in spec]
 
 
+def _converged_at(run: RunData) -> int | None:
+    """The step the run converged at: the convergence watch's (convergence.json, Figure 1's runs), else the first
+    measured checkpoint whose exact KL is in the "same loss" band (runs without the watch, e.g. Figure 3's SGD)."""
+    conv = run.path / "convergence.json"
+    at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
+    if at is not None:
+        return at
+    return next((s for s in _measured_steps(run) if _at(run, "exact_loss", s)["kl"] <= claims.MAX_KL), None)
+
+
 def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
-    """First and last measured checkpoints at or after each seed's convergence step (convergence.json)."""
+    """First and last measured checkpoints at or after each seed's convergence step (`_converged_at`)."""
     first, last, notes = {}, {}, []
     for seed, run in ((s, r) for runs in _by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
-        conv = run.path / "convergence.json"
-        at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
+        at = _converged_at(run)
         steps = [s for s in _measured_steps(run) if at is not None and s >= at]
         if len(steps) < 2:
             notes.append(f"seed {seed}: {len(steps)} measured checkpoint(s) after convergence (step {at})")
@@ -273,7 +282,7 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
            and p["loss"]["kl"] <= claims.MAX_KL]
     if len(pts) >= 4:
         rho, lo, hi = spearman_with_ci([t for t, _ in pts], [a for _, a in pts])
-        effect = claims.Effect(rho, lo, hi, tuple(float("nan") for _ in pts))
+        effect = claims.Effect(rho, lo, hi, tuple(float("nan") for _ in pts), over="models")
         found.append(Finding(f"Spearman(Tr(H), accuracy) over {len(pts)} equal-loss models (bootstrap CI)", -1,
                              effect, claims.verdict(effect, -1)))
     else:

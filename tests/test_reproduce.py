@@ -77,6 +77,18 @@ def test_c1_compares_the_first_and_last_checkpoint_after_convergence(tmp_path, l
     assert acc.effect.mean == pytest.approx(late_acc - 0.35 + 0.001, abs=1e-9)
 
 
+def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_the_band(tmp_path):
+    """Figure 3's SGD runs have no convergence.json: C4 starts at their first checkpoint with KL <= 0.02."""
+    exp = _dir(tmp_path, "fig3_sgd")
+    for s in SEEDS:
+        _run(exp, f"sgd-lr0.5-seed{s}", {2000: (2.1, 0.05, 0.30, 9.0), 4000: (2.001, 0.019, 0.33, 7.0 + 0.1 * s),
+                                         10000: (2.000, 0.018, 0.36 + 0.01 * s, 5.0)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
+    trace, acc = result.findings[:2]
+    assert trace.effect.mean == pytest.approx(-2.1) and acc.effect.mean == pytest.approx(0.04)
+    assert trace.verdict == acc.verdict == "reproduced" and len(result.same_loss) == 3
+
+
 def test_c2_orders_models_by_parameter_count(tmp_path):
     for name, _key in (("fig2_model_sizes", "acc"), ("fig5_grown_sizes", "trace")):
         exp = _dir(tmp_path, name)
