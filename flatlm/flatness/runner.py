@@ -32,40 +32,32 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`. Appending holds the
     workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
-    kw = dict(num_probes=num_probes, num_batches=num_batches, batch_size=batch_size, draws=draws, seed=seed,
-              fisher_form=fisher_form, chunk_size=chunk_size, groups=groups, grow_to=grow_to, gap=gap,
-              append=append, progress=progress)
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap):
-        return _measure_run(run, steps, method, **kw)
-
-
-def _measure_run(run: Run, steps, method: str, *, num_probes, num_batches, batch_size, draws, seed, fisher_form,
-                 chunk_size, groups, grow_to, gap, append, progress) -> list[dict]:
-    model = run.model
-    if grow_to is not None:
-        model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))
-    steps = list(run.steps) if steps is None else list(steps)
-    batches = run.mlm_batches(num_batches, batch_size, seed=seed)
-    kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
-              groups=groups)
-    settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
-    entries = []
-    for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
-                                                   disable=not progress, file=sys.stderr)):
+        model = run.model
         if grow_to is not None:
-            params = grow.embed(params, run.model.cfg, model.cfg)
-        key = jax.random.key(seed + step)
-        if gap:
-            entries.append({"kind": "flatness_gap", "step": step,
-                            **compare.gap_report(model.apply, params, batches, key, **kw)})
-            continue
-        est = compare.measure(method, model.apply, params, batches, key, **kw)
-        entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "settings": settings,
-                 "trace": est.mean, "trace_stderr": est.stderr, "detail": est.to_dict()}
-        if append:
-            results_lib.append(run.workdir, [entry])
-        entries.append(entry)
-    return entries
+            model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))
+        steps = list(run.steps) if steps is None else list(steps)
+        batches = run.mlm_batches(num_batches, batch_size, seed=seed)
+        kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
+                  groups=groups)
+        settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
+        entries = []
+        for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
+                                                       disable=not progress, file=sys.stderr)):
+            if grow_to is not None:
+                params = grow.embed(params, run.model.cfg, model.cfg)
+            key = jax.random.key(seed + step)
+            if gap:
+                entries.append({"kind": "flatness_gap", "step": step,
+                                **compare.gap_report(model.apply, params, batches, key, **kw)})
+                continue
+            est = compare.measure(method, model.apply, params, batches, key, **kw)
+            entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "settings": settings,
+                     "trace": est.mean, "trace_stderr": est.stderr, "detail": est.to_dict()}
+            if append:
+                results_lib.append(run.workdir, [entry])
+            entries.append(entry)
+        return entries
 
 
 def flatness_run(workdir: str, steps: list[int] | None = None, method: str = "fisher", **kw) -> list[dict]:
