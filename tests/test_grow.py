@@ -13,7 +13,7 @@ import pytest
 from flatness_tiny import fast_compile, float64_everywhere, init, mlm_batch
 
 from flatlm.flatness import grow
-from flatlm.models.bert import TABLE3, Bert, BertConfig
+from flatlm.models.bert import TABLE4, TABLE4_TARGET, Bert, BertConfig
 
 V, T = 11, 8
 
@@ -146,9 +146,11 @@ def test_bad_targets_are_refused():
             grow.embed(params, small, cfg)
 
 
-def test_table4_targets_embed_their_members():
-    for name, (layers, width) in grow.TABLE4.items():
-        for member in grow.TABLE4_MEMBERS[name]:
-            L, D = TABLE3[member]
-            assert width % D == 0 and layers >= L
-        assert name == f"L{layers}-H{width}"
+def test_table4_members_embed_into_its_largest_shape():
+    layers, width = TABLE4[TABLE4_TARGET]
+    assert (layers, width) == (20, 1920) == grow.lcm_shape(grow.TABLE4_MEMBERS)
+    for member in grow.TABLE4_MEMBERS:
+        L, D = TABLE4[member]
+        small = BertConfig.from_shape(member, num_words=10, max_len=8)
+        big = grow.grown_config(small, d_model=width, num_layers=layers)
+        assert width % D == 0 and layers >= L and big.heads == 30 and big.ff == 4 * width

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flatlm.models import TABLE3, Bert, BertConfig, BiLSTM, LSTMConfig
+from flatlm.models import TABLE3, TABLE4, Bert, BertConfig, BiLSTM, LSTMConfig
 
 V, T = 11, 7
 
@@ -54,17 +54,23 @@ def test_bert_head_is_tied_to_input_embeddings():
     np.testing.assert_allclose(model.apply({"params": params}, tokens), manual, atol=1e-5)
 
 
-def test_table3_shapes_have_head_size_64():
-    assert len(TABLE3) == 9
-    for name, (layers, d) in TABLE3.items():
-        cfg = BertConfig.from_table3(name, num_words=200, max_len=33)
-        assert cfg.num_layers == layers and cfg.d_model == d
-        assert cfg.head_dim == 64 and cfg.heads == max(1, d // 64) and cfg.ff == 4 * d
+def test_table3_and_table4_are_the_papers():
+    # A.3 Table 3 and B.3 Table 4 as printed: d-model / n-head / #layers (d-inter 4 d-model; see TABLE4's comment)
+    table3 = [(64, 1, 1), (128, 2, 4), (192, 3, 5), (256, 4, 6), (512, 8, 8), (768, 12, 12), (1024, 16, 16),
+              (1280, 20, 20), (1536, 24, 24)]
+    table4 = [(128, 2, 4), (192, 3, 5), (320, 5, 6), (384, 6, 7), (640, 10, 12), (960, 15, 16), (1920, 30, 20)]
+    for table, rows in ((TABLE3, table3), (TABLE4, table4)):
+        assert len(table) == len(rows)
+        for name, (d, heads, layers) in zip(table, rows, strict=True):
+            cfg = BertConfig.from_shape(name, num_words=200, max_len=33)
+            assert (cfg.d_model, cfg.heads, cfg.num_layers) == (d, heads, layers)
+            assert cfg.head_dim == 64 and cfg.ff == 4 * d and name == f"L{layers}-H{d}"
+    assert [4 * d for d, _, _ in table3] == [256, 512, 768, 1024, 2048, 3072, 4096, 5120, 6144]
     shapes = jax.eval_shape(
-        lambda: Bert(BertConfig.from_table3("L4-H256", num_words=200, max_len=33)).init(
+        lambda: Bert(BertConfig.from_shape("L6-H256", num_words=200, max_len=33)).init(
             jax.random.key(0), jnp.zeros((1, 33), jnp.int32)))
     n = sum(x.size for x in jax.tree.leaves(nn.unbox(shapes)))
-    d, L = 256, 4
+    d, L = 256, 6
     expected = (203 + 33) * d + L * (12 * d * d + 13 * d) + (d * d + d) + 2 * d + 2 * d + 200
     assert n == expected
 

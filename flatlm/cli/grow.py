@@ -12,7 +12,7 @@ import jax
 from flatlm.cli.common import add_output_flags, non_negative_int, parse_steps, positive_int
 from flatlm.errors import UserError
 from flatlm.flatness import grow
-from flatlm.models.bert import TABLE3, BertConfig
+from flatlm.models.bert import SHAPES, BertConfig
 from flatlm.run import load_run
 from flatlm.table import print_json, print_table
 
@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     g = sub.add_parser("grow", help="embed a run's small BERT into a larger one, same function")
     g.add_argument("--workdir", required=True)
     g.add_argument("--step", default="last")
-    g.add_argument("--to", help=f"target shape: {', '.join([*grow.TABLE4, *TABLE3])}")
+    g.add_argument("--to", help=f"target shape, Table 3 or 4: {', '.join(SHAPES)}")
     g.add_argument("--d-model", type=positive_int)
     g.add_argument("--num-layers", type=positive_int)
     g.add_argument("--init", choices=("zeros", "random"), default="zeros", help="new blocks' input-side weights")
@@ -38,10 +38,9 @@ def add_parser(sub) -> None:
 def target_shape(args) -> tuple[int, int]:
     """(num_layers, d_model) from `--to NAME` (Table 3 or Table 4) or `--num-layers` and `--d-model`."""
     if args.to:
-        shapes = {**TABLE3, **grow.TABLE4}
-        if args.to not in shapes:
-            raise UserError(f"unknown --to {args.to!r}; choose one of {', '.join(shapes)}")
-        return shapes[args.to]
+        if args.to not in SHAPES:
+            raise UserError(f"unknown --to {args.to!r}; choose one of {', '.join(SHAPES)}")
+        return SHAPES[args.to]
     if args.d_model is None or args.num_layers is None:
         raise UserError("give --to NAME or both --d-model and --num-layers")
     return args.num_layers, args.d_model

@@ -51,26 +51,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.models.bert import TABLE3, BertConfig
+from flatlm.models.bert import SHAPES, TABLE4, BertConfig
 from flatlm.models.losses import mlm_loss
 
-# Embedding targets for comparing Table 3 shapes at one size: each target is the least common multiple of the
-# members' widths, with the largest member depth. name: (num_layers, d_model) of the target.
-TABLE4_MEMBERS: dict[str, tuple[str, ...]] = {
-    "L8-H512": ("L1-H64", "L2-H128", "L4-H128", "L4-H256", "L4-H512", "L8-H512"),
-    "L12-H1536": ("L4-H256", "L4-H512", "L8-H512", "L12-H768"),
-    "L24-H1536": ("L8-H512", "L12-H768", "L24-H1536"),
-    "L24-H3072": tuple(TABLE3),
-}
+# Figure 5 (B.3) grows every Table 4 shape into the largest one, L20-H1920 (the table's widths all divide 1920).
+TABLE4_MEMBERS: tuple[str, ...] = tuple(TABLE4)
 
 
 def lcm_shape(names: Iterable[str]) -> tuple[int, int]:
-    """(max num_layers, lcm of d_model) over Table 3 shape names: the smallest target that embeds them all."""
-    shapes = [TABLE3[n] for n in names]
+    """(max num_layers, lcm of d_model) over Table 3/4 shape names: the smallest target that embeds them all.
+
+    For Table 4 this is the paper's target, L20-H1920; for a custom group (e.g. Table 3's first six, which have
+    no common multiple in Table 3) it is the group's own target.
+    """
+    shapes = [SHAPES[n] for n in names]
     return max(L for L, _ in shapes), math.lcm(*(d for _, d in shapes))
-
-
-TABLE4: dict[str, tuple[int, int]] = {name: lcm_shape(members) for name, members in TABLE4_MEMBERS.items()}
 
 
 def grown_config(small: BertConfig, *, d_model: int, num_layers: int) -> BertConfig:

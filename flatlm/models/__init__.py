@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
-from flatlm.models.bert import TABLE3, Bert, BertConfig
+from flatlm.models.bert import SHAPES, TABLE3, TABLE4, Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
 
-__all__ = ["TABLE3", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config",
+__all__ = ["SHAPES", "TABLE3", "TABLE4", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config",
            "bert_dims"]
 
 KINDS = ("bert", "lstm")
@@ -15,8 +15,8 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def bert_dims(model) -> tuple[int, int]:
-    """(d_model, heads) of a config's `model` section (a Table 3 `shape` overrides d_model; 0 heads: d / 64)."""
-    d = TABLE3[model.shape][1] if model.shape else model.d_model
+    """(d_model, heads) of a config's `model` section (a Table 3/4 `shape` overrides d_model; 0 heads: d / 64)."""
+    d = SHAPES[model.shape][1] if model.shape else model.d_model
     return d, model.num_heads or max(1, d // 64)
 
 
@@ -32,8 +32,8 @@ def validate_config(model) -> None:
             raise UserError(f"config.model.{field} must be >= 0 (0: the default), got {model[field]}")
     if not 0 <= model.dropout < 1 or not 0 <= model.attention_dropout < 1:
         raise UserError("config.model.dropout and attention_dropout must be in [0, 1)")
-    if model.shape and model.shape not in TABLE3:
-        raise UserError(f"config.model.shape={model.shape!r} is unknown; choose one of {', '.join(TABLE3)}")
+    if model.shape and model.shape not in SHAPES:
+        raise UserError(f"config.model.shape={model.shape!r} is unknown; choose a Table 3/4 shape: {', '.join(SHAPES)}")
     if model.kind == "bert":
         d, heads = bert_dims(model)
         if d % heads:
@@ -43,7 +43,7 @@ def validate_config(model) -> None:
 def model_config(model, num_words: int, max_len: int) -> BertConfig | LSTMConfig:
     """The model dataclass for a config's `model` section."""
     if model.kind == "bert":
-        layers, d = TABLE3[model.shape] if model.shape else (model.num_layers, model.d_model)
+        layers, d = SHAPES[model.shape] if model.shape else (model.num_layers, model.d_model)
         return BertConfig(
             num_words=num_words, max_len=max_len, d_model=d, num_layers=layers, num_heads=model.num_heads,
             d_ff=model.d_ff, ln_mode=model.ln_mode, dropout=model.dropout,

@@ -25,19 +25,39 @@ import jax.numpy as jnp
 
 from flatlm.languages.base import special_ids
 
-# The nine model shapes of the paper's Table 3, head size 64 (d_model 64..1536, 1..24 layers).
+# The nine model shapes of the paper's Table 3 (A.3; Section 3's transformers), name: (num_layers, d_model).
+# Heads d_model / 64 (head size 64) and d-inter 4 d_model, as the table prints: 64/1/1/256 ... 1536/24/24/6144.
 TABLE3: dict[str, tuple[int, int]] = {
-    # name: (num_layers, d_model)
     "L1-H64": (1, 64),
-    "L2-H128": (2, 128),
     "L4-H128": (4, 128),
-    "L4-H256": (4, 256),
-    "L4-H512": (4, 512),
+    "L5-H192": (5, 192),
+    "L6-H256": (6, 256),
     "L8-H512": (8, 512),
     "L12-H768": (12, 768),
     "L16-H1024": (16, 1024),
+    "L20-H1280": (20, 1280),
     "L24-H1536": (24, 1536),
 }
+
+# The seven shapes of the paper's Table 4 (B.3; Figure 5): every width divides the largest one's 1920, so each
+# model embeds into L20-H1920 by function-preserving growth (B.4). Heads d_model / 64 as printed. The table's
+# d-inter column repeats Table 3's (512, 768, 1024, 2048, 3072, 4096, 5120), which is not 4 d_model for five of the
+# seven rows and cannot be embedded by duplication (5120 / 768 is not an integer); flatlm uses d-inter = 4 d_model,
+# as B.4's text states ("the intermediate layer in the MLP is set to 4 d_h"). Printed column kept below.
+TABLE4: dict[str, tuple[int, int]] = {
+    "L4-H128": (4, 128),
+    "L5-H192": (5, 192),
+    "L6-H320": (6, 320),
+    "L7-H384": (7, 384),
+    "L12-H640": (12, 640),
+    "L16-H960": (16, 960),
+    "L20-H1920": (20, 1920),
+}
+TABLE4_D_INTER_PRINTED: tuple[int, ...] = (512, 768, 1024, 2048, 3072, 4096, 5120)
+TABLE4_TARGET = "L20-H1920"  # the largest Table 4 shape: Figure 5 measures Tr(H) of every model grown into it
+
+# Every named shape a config may select with `model.shape` (Table 3 and Table 4 share L4-H128 and agree on it).
+SHAPES: dict[str, tuple[int, int]] = {**TABLE3, **TABLE4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +99,11 @@ class BertConfig:
         return special_ids(self.num_words).vocab_size
 
     @classmethod
-    def from_table3(cls, name: str, **kw) -> BertConfig:
-        """The config of a paper Table 3 shape (A.3) by name, e.g. "L4-H128"."""
-        if name not in TABLE3:
-            raise KeyError(f"unknown Table 3 shape {name!r}; choose one of {', '.join(TABLE3)}")
-        layers, d = TABLE3[name]
+    def from_shape(cls, name: str, **kw) -> BertConfig:
+        """The config of a paper Table 3 (A.3) or Table 4 (B.3) shape by name, e.g. "L4-H128"."""
+        if name not in SHAPES:
+            raise KeyError(f"unknown Table 3/4 shape {name!r}; choose one of {', '.join(SHAPES)}")
+        layers, d = SHAPES[name]
         return cls(num_layers=layers, d_model=d, **kw)
 
 
