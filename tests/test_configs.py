@@ -10,7 +10,8 @@ from flatlm.config import load_config
 from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
-NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table2")
+NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
+         "table2")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -39,15 +40,15 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
     configs = [run_config(exp, r) for r in exp.runs]
     assert sorted({c.seed for c in configs}) == [0, 1, 2] and len(configs) % 3 == 0
     language = {c.language.name for c in configs}
-    assert language == ({"pcfg"} if name == "table1" else {"hmm"})
+    assert language == ({"pcfg"} if name in ("table1", "table2") else {"hmm"})
     kinds = {c.model.kind for c in configs}
-    assert kinds == ({"bert"} if name in ("table1", "fig5_grown_sizes") else {"lstm"})
+    assert kinds == ({"bert"} if name in ("table1", "table2", "fig5_grown_sizes") else {"lstm"})
     if name in ("fig2_model_sizes", "fig5_grown_sizes"):
         assert len({(c.model.d_model, c.model.d_hidden, c.model.num_layers) for c in configs}) >= 3
     if name == "fig1_after_convergence":
         c = configs[0]
         assert c.checkpoint.after_convergence and c.train.schedule == "constant"
-    if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table2"):
+    if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table1_hmm", "table2"):
         assert exp.flatness.enabled and exp.flatness.method == "fisher"
 
 
@@ -57,6 +58,19 @@ def test_cpu_run_presets_are_the_measured_scales():
     assert (hmm.model.kind, language.num_states, language.vocab_size, language.length) == ("lstm", 12, 20, 8)
     pcfg = load_config(f"{REPO}/configs/pcfg_mlm.py:cpu")
     assert pcfg.model.kind == "bert" and pcfg.language.grammar.levels < 4
+
+
+def test_table2_is_the_papers_pcfg_task_c_comparison_with_trace():
+    """Table 2 (Section 5): AdamW vs adversarial on PCFG task C, the adversarial head on task C, Tr(H) measured."""
+    for preset in ("tiny", "cpu", "paper"):
+        exp = load_experiment(f"{REPO}/configs/experiments/table2.py:{preset}")
+        configs = {r["name"]: run_config(exp, r) for r in exp.runs}
+        assert {c.language.name for c in configs.values()} == {"pcfg"} and exp.flatness.enabled
+        assert all(tuple(c.eval.tasks) == ("C",) and c.train.adversarial.task == "C" for c in configs.values())
+        assert any(c.train.adversarial.lam > 0 for c in configs.values())
+        assert any(c.train.adversarial.lam == 0 for c in configs.values())
+    hmm = load_experiment(f"{REPO}/configs/experiments/table1_hmm.py:tiny")
+    assert {run_config(hmm, r).language.name for r in hmm.runs} == {"hmm"}
 
 
 def test_table1_runs_differ_only_in_the_algorithm():

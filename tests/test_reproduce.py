@@ -42,20 +42,20 @@ def _dir(workdir, name, preset="paper"):
 
 
 def test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced(tmp_path):
-    for name in ("table2", "table1"):
+    for name in ("table1_hmm", "table1", "table2"):
         exp = _dir(tmp_path, name)
         for s in SEEDS:
             _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40 + 0.01 * s, 5.0 + s)})
             _run(exp, f"adversarial-lam1-seed{s}", {900: (2.002, 0.012, 0.25 + 0.012 * s, 7.0 + s)})
     (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
-    assert [f.verdict for f in result.findings] == ["reproduced"] * 4 and result.verdict == "reproduced"
+    assert [f.verdict for f in result.findings] == ["reproduced"] * 6 and result.verdict == "reproduced"
     acc = result.findings[0]
     assert acc.effect.num_seeds == 3 and acc.effect.mean == pytest.approx(-0.148)  # mean of -0.15 + 0.002 s
-    assert len(result.same_loss) == 6 and all(c.ok for _, c in result.same_loss)
+    assert len(result.same_loss) == 9 and all(c.ok for _, c in result.same_loss)
 
 
 def test_c3_is_inconclusive_when_a_pair_is_not_at_the_same_loss(tmp_path):
-    for name in ("table2", "table1"):
+    for name in ("table1_hmm", "table1", "table2"):
         exp = _dir(tmp_path, name)
         for s in SEEDS:
             _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40, 5.0 + s)})
@@ -105,14 +105,15 @@ def test_c2_orders_models_by_parameter_count(tmp_path):
 def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_out(tmp_path):
     cpu = reproduce.plan("cpu")
     assert all(lang == "hmm" for exps in cpu.values() for _, lang in exps)
-    assert [n for n, _ in cpu["C3"]] == ["table2"] and [n for n, _ in cpu["C2"]] == ["fig2_model_sizes",
+    assert [n for n, _ in cpu["C3"]] == ["table1_hmm"] and [n for n, _ in cpu["C2"]] == ["fig2_model_sizes",
                                                                                      "fig5_grown_sizes"]
-    exp = _dir(tmp_path, "table2", preset="cpu")
+    exp = _dir(tmp_path, "table1_hmm", preset="cpu")
     for s in SEEDS:
         _run(exp, f"adamw-seed{s}", {2000: (2.000, 0.010, 0.40, 5.0)})
         _run(exp, f"adversarial-lam2-seed{s}", {2000: (2.002, 0.012, 0.40 + 0.01 * (s - 1), 5.0 + 0.1 * s)})
     (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
     assert any("table1 (the PCFG) is left out" in n for n in result.notes)
+    assert any("table2 (PCFG task C) is left out" in n for n in result.notes)
     assert result.findings[0].verdict == "inconclusive"  # accuracy differences -0.01, 0, +0.01 straddle 0
 
 
