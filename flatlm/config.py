@@ -85,7 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             num_subsets=5,  # exact loss: std over this many disjoint subsets of the validation sentences
             batch_size=128,
-            tasks=(),  # downstream tasks; () -> the language's default (HMM: k6, k10; PCFG: A, B, C)
+            tasks=(),  # downstream tasks; () -> the language's default (HMM: task-6, task-10; PCFG: A, B, C)
             task_definition="",  # "" -> language default (HMM "sampled", PCFG "released")
             task_train_size=100_000,
             task_eval_size=10_000,  # validation and test, each

@@ -33,7 +33,8 @@ from flatlm.data import tasks as tasks_lib
 from flatlm.data.masking import mask_batch
 from flatlm.errors import UserError
 
-DEFAULT_TASKS = {"hmm": ("k6", "k10"), "pcfg": ("A", "B", "C")}  # the paper's tasks (A.2)
+# the paper's tasks (A.1): HMM task-6 and task-10 (1-based: 0-based positions 5 and 9), PCFG A, B, C
+DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C")}
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -180,7 +181,8 @@ class Run:
     def num_classes(self, task: str) -> int:
         """Number of labels of a downstream task of this run's language (checked against the language)."""
         tasks_lib.check_task(self.language, self.config.language.name, task)
-        return tasks_lib.num_classes(self.language, self.config.language.name, task)
+        return tasks_lib.num_classes(self.language, self.config.language.name, task,
+                                     self.config.eval.task_definition)
 
     def load_task(self, task: str, quiet: bool = False) -> dict:
         """A downstream task's splits {train, validation, test: {tokens, length, label}} (built once, cached)."""

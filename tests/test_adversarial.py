@@ -297,6 +297,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_classes"):
         adv.make_objective(adv.AdversarialConfig(lam=1.0, num_classes=0))
     assert adv.AdversarialConfig(task="k10").position == 10
+    assert adv.AdversarialConfig(task="task-10").position == 9  # the paper's task-10: the 10th variable, 1-based
     with pytest.raises(ValueError):
         adv.task_position("A")
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from flatlm.data import builder, pipeline
+from flatlm.data import builder, pipeline, tasks
+from flatlm.errors import UserError
 from flatlm.languages import make_language
+from flatlm.languages.hmm import random_hmm
 
 SPEC = dict(name="hmm", seed=0, num_states=5, vocab_size=7, length=6, num_blocks=1, rules_file="")
 
@@ -92,3 +95,17 @@ def test_stream_is_deterministic_in_seed_step_and_process():
         np.testing.assert_array_equal(x["tokens"], y["tokens"])
     assert not np.array_equal(a[0]["targets"], a[1]["targets"])  # steps differ
     assert c[0]["targets"].shape == (4, 6) and not np.array_equal(a[0]["targets"][:4], c[0]["targets"])
+
+
+def test_hmm_task_names_are_the_papers_one_based_variables():
+    """A.1: task-k classifies the k-th hidden variable (1-based); k<i> is the 0-based position i."""
+    assert [tasks.hmm_position(t) for t in ("task-1", "task-6", "task-10", "k0", "k5")] == [0, 5, 9, 0, 5]
+    for bad in ("task-0", "task-x", "6", "A"):
+        with pytest.raises(ValueError):
+            tasks.hmm_position(bad)
+    hmm = random_hmm(0, num_states=6, vocab_size=8, length=6, num_blocks=2)
+    a = tasks.sample_task(hmm, "hmm", "task-6", 50, seed=3)
+    b = tasks.sample_task(hmm, "hmm", "k5", 50, seed=3)
+    np.testing.assert_array_equal(a["label"], b["label"])
+    with pytest.raises(UserError, match="task-1 .. task-6"):
+        tasks.check_task(hmm, "hmm", "task-7")

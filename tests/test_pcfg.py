@@ -283,6 +283,24 @@ def test_task_labels_match_per_sentence_cky(layered, definition):
     assert layered.label_names("A") == ["S1", "S2", "S3"]
 
 
+def test_paper_definition_is_the_span_posterior_over_all_nonterminals(layered):
+    """A.1's text: y = argmax_s Pr(s | x) for the span of min(L, length) words from the start, 50-way (here N-way)."""
+    corpus = layered.sample(40, seed=23)
+    keep = corpus.lengths >= 3
+    tokens, lengths = corpus.tokens[keep], corpus.lengths[keep]
+    sentences = sentences_of(tokens, lengths, 8)
+    N = layered.num_nonterminals
+    for task, prefix in (("A", None), ("C", 3)):
+        got = layered.task_labels(tokens, lengths, task, "paper", prefix=prefix)
+        want = []
+        for words in sentences:
+            k = min(len(words), {"A": 32, "C": 3}[task])
+            score = np.array([ref_span_joint(layered, words, A, 0, k) for A in range(N)])
+            want.append(int(np.argmax(score >= score.max() * (1 - 1e-9))))
+        np.testing.assert_array_equal(got, want)
+    assert layered.num_labels("A", "paper") == N and layered.num_labels("A") == 3
+
+
 def test_task_labels_validation(layered):
     corpus = layered.sample(20, seed=1)
     with pytest.raises(ValueError, match="at least 4 words"):

@@ -24,7 +24,8 @@ def get_config(arg: str = "tiny"):
         # the grid and the range "10M to 135M" (Section 3.2), not the pairs; zipped pairs have 1.5M / 9.1M / 48.6M /
         # 166M / 395M parameters in flatlm's BiLSTM (counted by jax.eval_shape), so the extremes lie outside its range.
         shapes = [(128, 4), (256, 6), (512, 8), (768, 12), (1024, 16)]
-        runs = [(f"lstm{d}-L{L}", [f"--config.model.d_hidden={d}", f"--config.model.num_layers={L}"]) for d, L in shapes]
+        runs = [(f"lstm{d}-L{L}", [f"--config.model.d_hidden={d}", f"--config.model.num_layers={L}"])
+                for d, L in shapes]
     else:  # the paper's Table 3 transformers (A.3)
         runs = [(name, [f"--config.model.shape={name}"]) for name in TABLE3]
     return experiment_config("fig2_model_sizes", base, runs, flatness=dict(enabled=False),

@@ -1,9 +1,10 @@
 """Downstream task datasets: sentences from the language with labels, as tfds splits (train/validation/test).
 
 Task names per language:
-  HMM:  "k<i>" — classify the hidden state at 0-based position i (paper: tasks 6 and 10); definition
-        "sampled" (the state that generated the sentence, default) or "posterior" (argmax P(z_i | x)).
-  PCFG: "A", "B", "C" — released definition (default) or "posterior"; see `flatlm.languages.pcfg`.
+  HMM:  "task-<k>" — the paper's task-k (A.1): classify the k-th hidden variable, 1-based (task-6 is the 6th
+        variable, 0-based position 5); "k<i>" — the hidden state at 0-based position i (so task-6 == k5).
+        Definition "sampled" (the state that generated the sentence, default) or "posterior" (argmax P(z_i | x)).
+  PCFG: "A", "B", "C" — released definition (default), "posterior" or "paper"; see `flatlm.languages.pcfg`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,28 @@ def default_definition(language_name: str) -> str:
     return {"hmm": "sampled", "pcfg": "released"}.get(language_name, "")
 
 
+def hmm_position(task: str) -> int:
+    """0-based position of an HMM task: "task-<k>" (the paper's 1-based k-th variable) -> k - 1; "k<i>" -> i.
+
+    Raises ValueError for any other name."""
+    if task.startswith("task-") and task[5:].isdigit() and int(task[5:]) >= 1:
+        return int(task[5:]) - 1
+    if task.startswith("k") and task[1:].isdigit():
+        return int(task[1:])
+    raise ValueError(f"HMM task {task!r} is neither task-<k> (the paper's k-th variable, 1-based, e.g. task-6) "
+                     "nor k<position> (0-based, e.g. k5)")
+
+
 def check_task(language, name: str, task: str) -> None:
-    """UserError unless `task` is a task of this language (HMM k<position>, PCFG A/B/C)."""
+    """UserError unless `task` is a task of this language (HMM task-<k> / k<position>, PCFG A/B/C)."""
     if name == "hmm":
-        if not (task.startswith("k") and task[1:].isdigit() and int(task[1:]) < language.max_length):
-            raise UserError(f"HMM task {task!r} is not k<position> with position < {language.max_length}; e.g. k6")
+        try:
+            position = hmm_position(task)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if position >= language.max_length:
+            raise UserError(f"HMM task {task!r} is position {position} (0-based) of sentences of "
+                            f"{language.max_length}; use task-1 .. task-{language.max_length}")
     elif name == "pcfg":
         if task not in ("A", "B", "C"):
             raise UserError(f"PCFG task {task!r} is unknown; use A, B or C")
@@ -43,9 +61,11 @@ def check_task(language, name: str, task: str) -> None:
         raise UserError(f"language {name!r} has no synthetic downstream tasks")
 
 
-def num_classes(language, name: str, task: str) -> int:
-    """Number of labels of a task: HMM states, or the PCFG nonterminals the task ranges over."""
-    return language.num_states if name == "hmm" else language.num_labels(task)
+def num_classes(language, name: str, task: str, definition: str = "") -> int:
+    """Number of labels of a task: HMM states, or the PCFG nonterminals the task ranges over (by definition)."""
+    if name == "hmm":
+        return language.num_states
+    return language.num_labels(task, definition or default_definition(name))
 
 
 def sample_task(language, name: str, task: str, n: int, seed: int, definition: str = "") -> dict:
@@ -54,7 +74,7 @@ def sample_task(language, name: str, task: str, n: int, seed: int, definition: s
     definition = definition or default_definition(name)
     if name == "hmm":
         corpus = language.sample(n, seed)
-        labels = language.task_labels(corpus.tokens, corpus.lengths, int(task[1:]), definition=definition,
+        labels = language.task_labels(corpus.tokens, corpus.lengths, hmm_position(task), definition=definition,
                                       states=corpus.latents.get("states"))
     else:
         corpus, labels = language.sample_task(n, seed, task, definition=definition)

@@ -7,8 +7,8 @@ from flatlm.errors import UserError
 from flatlm.models.bert import SHAPES, TABLE3, TABLE4, Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
 
-__all__ = ["SHAPES", "TABLE3", "TABLE4", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config", "validate_config",
-           "bert_dims"]
+__all__ = ["SHAPES", "TABLE3", "TABLE4", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config",
+           "validate_config", "bert_dims"]
 
 KINDS = ("bert", "lstm")
 DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.config import check_choice
+from flatlm.data.tasks import hmm_position
 from flatlm.errors import UserError
 from flatlm.evaluate.features import gaussian_projection, hidden_states
 from flatlm.models.losses import ApplyFn, mlm_loss
@@ -87,7 +88,7 @@ class AdversarialConfig:
     projection_dim: int = 0
     projection_seed: int = 0
     normalize: str = "global"
-    task: str = "k6"
+    task: str = "task-6"
     num_classes: int = 0
     label_definition: str = "sampled"
     pool_size: int = 0
@@ -107,10 +108,8 @@ class AdversarialConfig:
 
 
 def task_position(task: str) -> int:
-    """k of an HMM task name "k<k>" (the hidden state at 0-based position k)."""
-    if not (task.startswith("k") and task[1:].isdigit()):
-        raise ValueError(f"HMM task {task!r} is not k<position>, e.g. k6")
-    return int(task[1:])
+    """0-based position of an HMM task name ("task-6": the paper's 6th variable, position 5; "k5": position 5)."""
+    return hmm_position(task)
 
 
 def validate(cfg: AdversarialConfig) -> None:

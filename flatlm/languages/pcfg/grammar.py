@@ -192,13 +192,14 @@ class PCFG:
 
     # ---- downstream tasks --------------------------------------------------------------------------------
 
-    def num_labels(self, task: str) -> int:
-        """Task A: the root's children (9 for the released grammar); B and C: all N nonterminals."""
-        return len(self.label_names(task))
+    def num_labels(self, task: str, definition: str = "released") -> int:
+        """Task A: the root's children (9 for the released grammar); B and C (and every task under the paper's
+        definition): all N nonterminals."""
+        return len(self.label_names(task, definition))
 
-    def label_names(self, task: str) -> list[str]:
+    def label_names(self, task: str, definition: str = "released") -> list[str]:
         """The nonterminal each label id stands for."""
-        return [self.nonterminals[i] for i in tasks.label_ids(task, self.root)]
+        return [self.nonterminals[i] for i in tasks.label_ids(task, self.root, definition)]
 
     def task_labels(self, tokens, lengths, task: str, definition: str = "released",
                     prefix: int | None = None) -> np.ndarray:
@@ -208,6 +209,8 @@ class PCFG:
         P(A =>* x_0..x_{k-1}); task A: k = length, over the root's children only, *without* the root
         prior; B: k = 4, C: k = 2 (or `prefix`), over all nonterminals. definition="posterior":
         argmax_A P(A spans [0, k) | x) by inside-outside (for A this is root[A] * inside / P(x)).
+        definition="paper" (A.1's text): the posterior over all N nonterminals of the span [0, min(L, length)),
+        L = 32 / 16 / 8 for A / B / C (`prefix` replaces L).
         Ties go to the lowest label id, as in the released code (Python's max returns the first key of its
         S1..S9, A1_0.., A4_9 dict), so a prefix no nonterminal derives gets label 0. Scores within relative
         1e-5 (float32; 1e-10 under x64) of the best count as tied: mathematically equal scores (e.g. from
@@ -217,13 +220,13 @@ class PCFG:
         tasks.check_task(task)
         tasks.check_definition(definition)
         tokens, lengths = self._check(tokens, lengths)
-        rows_n, k_n = np.arange(len(lengths)), tasks.span_ends(task, lengths, prefix)
+        rows_n, k_n = np.arange(len(lengths)), tasks.span_ends(task, lengths, prefix, definition)
         if definition == "released":
             score_nN = self._run("forward", tokens, lengths)["prefix"][rows_n, k_n - 1]
         else:
             post = self._run("posteriors", tokens, lengths)["post"]  # [n, start, width - 1, N]
             score_nN = post[rows_n, 0, k_n - 1]
-        return tasks.best_label(score_nN, tasks.label_ids(task, self.root))
+        return tasks.best_label(score_nN, tasks.label_ids(task, self.root, definition))
 
     def sample_task(self, n: int, seed: int, task: str, definition: str = "released",
                     prefix: int | None = None, min_length: int = 5, max_length: int = 31

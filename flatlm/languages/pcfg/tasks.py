@@ -2,8 +2,15 @@
 the sentence. Label spaces, the span each task labels, the argmax with the released code's tie-breaking, and
 sampling of sentences within a length range; `PCFG.task_labels` puts them together with the chart kernels.
 
-Two definitions of a label: "released" (generate_downstream.py: argmax of the prefix's inside probability,
-task A over the root's children without the root prior) and "posterior" (argmax of P(A spans [0, k) | x)).
+Three definitions of a label:
+  "released" (default; the authors' generate_downstream.py): argmax of the prefix's inside probability
+      P(A =>* x_0..x_{k-1}), k = length / 4 / 2 for tasks A / B / C; task A over the root's children only.
+  "posterior": argmax_A P(A spans [0, k) | x) by inside-outside, the same spans as "released".
+  "paper" (the paper's text, A.1): y = argmax_s Pr(s | x), s over all 50 nonterminals (50-way), for the span of
+      L = 32 / 16 / 8 words from the sentence's start for tasks A / B / C (min(L, length) for shorter sentences),
+      scored by the posterior. Where no nonterminal spans exactly [0, k) every score is 0 and the label is 0
+      (the released tie rule); `PCFG.task_labels` callers can count such rows (scores all 0).
+The released definition is the default because the paper's numbers come from the released code.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from flatlm.languages.base import Corpus
 
 TASKS = ("A", "B", "C")
 TASK_PREFIX = {"B": 4, "C": 2}  # released generate_downstream.py: inside_partial(sent, grammar, 4 / 2)
-DEFINITIONS = ("released", "posterior")
+PAPER_SPAN = {"A": 32, "B": 16, "C": 8}  # the paper's text (A.1): span length L of tasks A, B, C
+DEFINITIONS = ("released", "posterior", "paper")
 
 
 def check_task(task: str) -> None:
@@ -31,18 +39,26 @@ def check_definition(definition: str) -> None:
         raise ValueError(f"definition must be one of {DEFINITIONS}, got {definition!r}")
 
 
-def label_ids(task: str, root_N: np.ndarray) -> np.ndarray:
+def label_ids(task: str, root_N: np.ndarray, definition: str = "released") -> np.ndarray:
     """int[K] the nonterminal each label id stands for: task A the root's children (root[A] > 0, in order),
-    B and C all N nonterminals."""
+    B and C all N nonterminals; under the paper's definition every task is N-way (A.1: "50-way")."""
     check_task(task)
-    return np.flatnonzero(root_N > 0) if task == "A" else np.arange(root_N.size)
+    check_definition(definition)
+    if task == "A" and definition != "paper":
+        return np.flatnonzero(root_N > 0)
+    return np.arange(root_N.size)
 
 
-def span_ends(task: str, lengths_n: np.ndarray, prefix: int | None = None) -> np.ndarray:
-    """int[n] k: the labelled span is [0, k). Task A: the whole sentence; B: 4, C: 2 words (or `prefix`).
+def span_ends(task: str, lengths_n: np.ndarray, prefix: int | None = None, definition: str = "released"
+              ) -> np.ndarray:
+    """int[n] k: the labelled span is [0, k). Task A: the whole sentence; B: 4, C: 2 words (or `prefix`);
+    the paper's definition: min(L, length) with L = 32 / 16 / 8.
 
     Raises ValueError for a prefix on task A, or a sentence shorter than the prefix.
     """
+    if definition == "paper":
+        k = PAPER_SPAN[task] if prefix is None else int(prefix)
+        return np.minimum(lengths_n.astype(np.int64), k)
     if task == "A":
         if prefix is not None:
             raise ValueError("task A always uses the whole sentence; prefix applies to B and C")
