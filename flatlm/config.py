@@ -84,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(
         dict(
             num_subsets=5,  # exact loss: std over this many disjoint subsets of the validation sentences
+            loss_average="token",  # exact loss over (x, t): "token" (flatlm) or "sentence" (paper's E_{x,t})
             batch_size=128,
             tasks=(),  # downstream tasks; () -> the language's default (HMM: task-6, task-10; PCFG: A, B, C)
             task_definition="",  # "" -> language default (HMM "sampled", PCFG "released")

@@ -29,6 +29,10 @@ from flatlm.evaluate.runner import evaluate_run
 from flatlm.flatness.runner import flatness_run
 from flatlm.train.loop import train_and_evaluate, validate
 
+# Tr(H) as the paper measures it (B.1, B.2): 10,000 contexts x_-t, 50 draws of x_t each, the std over 5 resamples
+# (here 5 batches of 2,000 contexts: the result's data_std / stderr are over those 5). Used by the paper presets.
+PAPER_FLATNESS = dict(num_batches=5, batch_size=2_000, draws=50)
+
 
 def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evaluate: bool = True,
                       flatness: dict | None = None, description: str = "",

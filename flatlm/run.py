@@ -26,7 +26,7 @@ from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
 from flatlm import data as data_lib
 from flatlm import languages, models, sharding
-from flatlm.config import check_positive
+from flatlm.config import check_choice, check_positive
 from flatlm.data import builder as builder_lib
 from flatlm.data import pipeline
 from flatlm.data import tasks as tasks_lib
@@ -45,6 +45,7 @@ def validate(config, num_devices: int | None = None) -> None:
     models.validate_config(config.model)
     ckpt.validate_config(config.checkpoint)
     check_positive(config.eval, "eval", "num_subsets", "batch_size")
+    check_choice(config.eval.get("loss_average", "token"), ("token", "sentence"), "eval.loss_average")
     if config.data.eval_size < config.eval.num_subsets:
         raise UserError(f"config.data.eval_size={config.data.eval_size} is smaller than eval.num_subsets="
                         f"{config.eval.num_subsets} (the exact loss's std is over that many subsets); raise it")

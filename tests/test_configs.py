@@ -117,3 +117,23 @@ def test_pcfg_grammar_and_max_length_come_from_the_config():
     c.language.grammar.num_words = 5
     with pytest.raises(UserError, match="language.grammar"):
         make_language(c.language.to_dict())
+
+
+def test_paper_presets_follow_the_papers_protocols():
+    """A.1, A.3, A.5, A.6, B.1, B.2: corpus sizes, the exact loss's sample, fine-tuning, Tr(H) and Figure 3's lr."""
+    pcfg, hmm = load_config(f"{REPO}/configs/pcfg_mlm.py:paper"), load_config(f"{REPO}/configs/hmm_mlm.py:paper")
+    opt = load_config(f"{REPO}/configs/opt_mlm.py:paper")
+    assert (pcfg.data.train_size, hmm.data.train_size, opt.data.train_size) == (2 * 10**7, 10**7, 2 * 10**8)
+    assert opt.data.source == "stream"
+    for c in (pcfg, hmm):
+        assert c.data.eval_size == 10**6 and c.eval.num_subsets == 5 and c.eval.loss_average == "sentence"
+    for c in (pcfg, hmm, opt):
+        assert (c.eval.finetune.epochs, c.eval.finetune.warmup_steps) == (10, 200)
+    assert hmm.model.kind == "lstm" and pcfg.model.kind == "bert"
+    for name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table1", "table2"):
+        exp = load_experiment(f"{REPO}/configs/experiments/{name}.py:paper")
+        f = exp.flatness
+        assert (f.num_batches * f.batch_size, f.draws, f.num_batches) == (10_000, 50, 5)
+    sgd = load_experiment(f"{REPO}/configs/experiments/fig3_sgd.py:paper")
+    assert {run_config(sgd, r).train.lr for r in sgd.runs} == {1e-3}
+    assert {run_config(sgd, r).train.warmup_frac for r in sgd.runs} == {0.12}

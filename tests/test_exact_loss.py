@@ -45,8 +45,11 @@ def test_exact_loss_matches_an_explicit_loop_over_masked_positions():
     batches = [{"tokens": tokens[i:i + 10], "length": lengths[i:i + 10], "conditionals": q[i:i + 10]}
                for i in range(0, len(tokens), 10)]
     out = exact_loss(model.apply, params, batches, num_subsets=3, pad_to=10)
+    paper = exact_loss(model.apply, params, batches, num_subsets=3, pad_to=10, average="sentence")
     ce_sum, ent_sum, count = 0.0, 0.0, 0
+    ce_sent, ent_sent = [], []  # the paper's E_x E_t: per-sentence means, then their mean
     for b in range(len(tokens)):
+        ce_sent.append(ce_sum), ent_sent.append(ent_sum)
         for t in range(lengths[b]):
             masked = tokens[b].copy()
             masked[t] = V + 1
@@ -54,6 +57,11 @@ def test_exact_loss_matches_an_explicit_loop_over_masked_positions():
             ce_sum += -(q[b, t] * np.asarray(logp, np.float64)).sum()
             ent_sum += -(q[b, t][q[b, t] > 0] * np.log(q[b, t][q[b, t] > 0])).sum()
             count += 1
+        ce_sent[-1] = (ce_sum - ce_sent[-1]) / lengths[b]
+        ent_sent[-1] = (ent_sum - ent_sent[-1]) / lengths[b]
+    assert out["average"] == "token" and paper["average"] == "sentence"
+    assert abs(paper["loss"] - np.mean(ce_sent)) < 1e-5 and abs(paper["entropy"] - np.mean(ent_sent)) < 1e-6
+    assert abs(paper["loss"] - out["loss"]) > 1e-4  # sentences of 4 and 6 words: the two averages differ
     assert abs(out["loss"] - ce_sum / count) < 1e-5
     assert abs(out["entropy"] - ent_sum / count) < 1e-6
     assert abs(out["kl"] - (ce_sum - ent_sum) / count) < 1e-5

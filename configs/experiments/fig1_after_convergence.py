@@ -1,6 +1,6 @@
 """Figure 1: continue pre-training after convergence; the loss stays flat while downstream accuracy moves."""
 
-from flatlm.experiment import base_run_config, experiment_config, parse_arg
+from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 
 def get_config(arg: str = "tiny"):
@@ -24,6 +24,8 @@ def get_config(arg: str = "tiny"):
     flatness = dict(enabled=True, method="fisher")
     if preset == "cpu":  # ~7 CPU-s per checkpoint (HMM BiLSTM 64) instead of ~15 with the defaults (4 x 128, 50 draws)
         flatness.update(num_batches=2, draws=20)
+    if preset == "paper":
+        flatness.update(PAPER_FLATNESS)
     return experiment_config("fig1_after_convergence", base, [("adamw", [])], flatness=flatness,
                              seeds=(0, 1, 2) if preset == "cpu" else (),
                              description="exact loss, probe accuracy and Tr(H) at log-spaced steps after convergence")

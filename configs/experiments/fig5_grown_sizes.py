@@ -6,7 +6,7 @@ shapes grown into its largest, L20-H1920, as in B.3), so traces of models
 of different sizes are taken in the same parameter space. Pre-LN models: exact in width and depth.
 """
 
-from flatlm.experiment import base_run_config, experiment_config, parse_arg
+from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 from flatlm.models.bert import TABLE4, TABLE4_TARGET
 
 
@@ -36,6 +36,8 @@ def get_config(arg: str = "tiny"):
     flatness = dict(enabled=True, method="fisher", grow_to=target)
     if preset == "cpu":  # ~10 CPU-s per checkpoint (d32 x 1 grown to 64 x 2) instead of ~2x that with the defaults
         flatness.update(num_batches=2, draws=20)
+    if preset == "paper":
+        flatness.update(PAPER_FLATNESS)
     return experiment_config("fig5_grown_sizes", base, runs, flatness=flatness,
                              seeds=(0, 1, 2) if preset == "cpu" else (),
                              description=f"Tr(H) after embedding every model into {target[1]} wide, {target[0]} deep")

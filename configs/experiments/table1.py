@@ -7,7 +7,7 @@ paper); `table2.py` is the paper's Table 2 (task C, with Tr(H)). The lookup-tabl
 (a probe on the exact conditionals, i.e. the optimal pre-training loss).
 """
 
-from flatlm.experiment import base_run_config, experiment_config, parse_arg
+from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 
 def get_config(arg: str = "tiny", default_language: str = "pcfg"):
@@ -42,6 +42,8 @@ def get_config(arg: str = "tiny", default_language: str = "pcfg"):
     flatness = dict(enabled=preset != "tiny")  # the paper's Table 2 reports Tr(H)
     if preset == "cpu":
         flatness.update(num_batches=2, draws=20)
+    if preset == "paper":
+        flatness.update(PAPER_FLATNESS)
     return experiment_config(f"table_{language}", base, runs, flatness=flatness,
                              seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
                              description="same loss, different downstream: the training algorithm")

@@ -5,6 +5,14 @@ with the true conditional q(. | x_-t):  loss = E_{x,t}[ -sum_w q(w) log p(w) ] =
 in nats per masked position. This is the population MLM loss for single-position masking, so a model that
 outputs q exactly has loss = entropy and KL = 0. The std is over `num_subsets` disjoint subsets of the
 sentences (as in the paper).
+
+Two averages over (x, t), named in every result as `average`:
+  "token" (flatlm's default): sum over all masked positions / number of positions, so long sentences weigh more;
+      this is the loss of masking one position drawn uniformly from the corpus's tokens.
+  "sentence" (the paper's E_{x,t}, Section 3.1: t uniform in [T] per sentence): mean over a sentence's positions,
+      then mean over sentences. For fixed-length languages (HMM) the two are equal; for the PCFG they differ.
+flatlm keeps "token" as the default because its training loss (mlm_loss) is token-weighted, so the exact loss
+and the training objective are the same functional; eval.loss_average=sentence reports the paper's.
 """
 
 from __future__ import annotations
@@ -42,11 +50,16 @@ def _sentence_terms(apply_fn: ApplyFn, params, tokens_BT, lengths_B, q_BTV):
     return position_terms(logp_BTV, q_BTV.astype(jnp.float32), lengths_B)
 
 
-def exact_loss(apply_fn: ApplyFn, params, batches, num_subsets: int = 5, pad_to: int | None = None) -> dict:
+AVERAGES = ("token", "sentence")
+
+
+def exact_loss(apply_fn: ApplyFn, params, batches, num_subsets: int = 5, pad_to: int | None = None,
+               average: str = "token") -> dict:
     """Exact loss of `apply_fn` (a Flax `model.apply` with a `logits_at` method) over validation batches
     {tokens, length, conditionals q[B, T, V]}; V (and so the pad and mask ids) is read off q.
 
-    Returns loss, entropy, kl, log_kl (natural log of the KL), loss_std / kl_std over subsets, num_sentences.
+    Returns loss, entropy, kl, log_kl (natural log of the KL), loss_std / kl_std over subsets, num_sentences,
+    and `average` ("token" or "sentence", see the module docstring).
     Batches shorter than `pad_to` are padded with empty sentences so the computation compiles once.
     """
     ce, ent, cnt = [], [], []
@@ -64,21 +77,31 @@ def exact_loss(apply_fn: ApplyFn, params, batches, num_subsets: int = 5, pad_to:
         ent.append(e[:n])
         cnt.append(k[:n])
     ce, ent, cnt = (np.concatenate(x).astype(np.float64) for x in (ce, ent, cnt))
-    return summarize(ce, ent, cnt, num_subsets)
+    return summarize(ce, ent, cnt, num_subsets, average)
 
 
-def summarize(ce_B, ent_B, count_B, num_subsets: int = 5) -> dict:
-    """Position-weighted means over sentences, with the std of the loss and KL over disjoint subsets."""
+def _mean(x_B, count_B, average: str) -> float:
+    """Token-weighted (sum / positions) or sentence-weighted (mean over sentences of x / positions) mean."""
+    if average == "token":
+        return float(x_B.sum() / count_B.sum())
+    keep = count_B > 0
+    return float(np.mean(x_B[keep] / count_B[keep]))
+
+
+def summarize(ce_B, ent_B, count_B, num_subsets: int = 5, average: str = "token") -> dict:
+    """Means over (sentence, position) by `average`, with the std of the loss and KL over disjoint subsets."""
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
     total = count_B.sum()
-    loss, entropy = ce_B.sum() / total, ent_B.sum() / total
+    loss, entropy = _mean(ce_B, count_B, average), _mean(ent_B, count_B, average)
     kl = max(loss - entropy, 0.0)
     subsets = [s for s in np.array_split(np.arange(len(ce_B)), num_subsets) if count_B[s].sum() > 0]
-    sub_loss = np.array([ce_B[s].sum() / count_B[s].sum() for s in subsets])
-    sub_kl = np.array([(ce_B[s].sum() - ent_B[s].sum()) / count_B[s].sum() for s in subsets])
+    sub_loss = np.array([_mean(ce_B[s], count_B[s], average) for s in subsets])
+    sub_kl = np.array([_mean(ce_B[s] - ent_B[s], count_B[s], average) for s in subsets])
     return {
         "loss": float(loss), "entropy": float(entropy), "kl": float(kl),
         "log_kl": float(np.log(kl)) if kl > 0 else float("-inf"),
         "loss_std": float(sub_loss.std(ddof=1)) if len(subsets) > 1 else 0.0,
         "kl_std": float(sub_kl.std(ddof=1)) if len(subsets) > 1 else 0.0,
-        "num_sentences": len(ce_B), "num_positions": int(total),
+        "num_sentences": len(ce_B), "num_positions": int(total), "average": average,
     }

@@ -27,7 +27,7 @@ def run_exact_loss(run: Run, params, limit: int | None = None) -> dict:
     bs = run.config.eval.batch_size
     with run.mesh, nn.logical_axis_rules(run.rules):
         return exact_loss(run.apply_fn, params, run.eval_batches(bs, limit), run.config.eval.num_subsets,
-                          pad_to=bs)
+                          pad_to=bs, average=run.config.eval.get("loss_average", "token"))
 
 
 def headline(out: dict) -> dict:
