@@ -54,17 +54,20 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     return c
 
 
-def parse_arg(arg: str, default_language: str | None = None) -> tuple[str, str]:
-    """"tiny" | "cpu" | "paper", optionally ",hmm" / ",pcfg" (e.g. "cpu,pcfg") -> (preset, language).
+def parse_arg(arg: str, default_language: str | None = None,
+              languages: tuple[str, ...] = ("hmm", "pcfg", "opt")) -> tuple[str, str]:
+    """"tiny" | "cpu" | "paper", optionally ",hmm" / ",pcfg" / ",opt" (e.g. "cpu,pcfg") -> (preset, language).
 
     Without a language: `default_language`, or if that is None the PCFG, except at `cpu` scale, where it is the
-    HMM (the only language whose models reach exact KL <= 0.02 on two CPU cores; configs/experiments/README.md)."""
+    HMM (the only language whose models reach exact KL <= 0.02 on two CPU cores; configs/experiments/README.md).
+    `languages`: those the experiment supports (the adversarial tables and Figure 3 have no OPT version)."""
     preset, _, language = (arg or "tiny").partition(",")
     language = language or default_language or ("hmm" if preset == "cpu" else "pcfg")
     if preset not in ("tiny", "cpu", "paper"):
-        raise UserError(f"unknown preset {preset!r}; use tiny, cpu or paper (optionally ',hmm' or ',pcfg')")
-    if language not in ("hmm", "pcfg"):
-        raise UserError(f"unknown language {language!r}; use hmm or pcfg")
+        optional = " or ".join(f"',{lang}'" for lang in languages)
+        raise UserError(f"unknown preset {preset!r}; use tiny, cpu or paper (optionally {optional})")
+    if language not in languages:
+        raise UserError(f"unknown language {language!r} for this experiment; use {' or '.join(languages)}")
     return preset, language
 
 

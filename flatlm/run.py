@@ -34,7 +34,7 @@ from flatlm.data.masking import mask_batch
 from flatlm.errors import UserError
 
 # the paper's tasks (A.1): HMM task-6 and task-10 (1-based: 0-based positions 5 and 9), PCFG A, B, C
-DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C")}
+DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C"), "opt": ("qnli", "sst2")}
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -103,7 +103,9 @@ def prepare_data(config, workdir: str, quiet: bool = False) -> dict:
 
 def task_names(config, language) -> tuple[str, ...]:
     """The run's downstream tasks: `eval.tasks`, else the language's defaults (checked against the language)."""
-    names = tuple(config.eval.tasks) or DEFAULT_TASKS.get(config.language.name, ())
+    downstream = config.eval.get("downstream")
+    names = (tuple(config.eval.tasks) or (tuple(downstream.tasks) if downstream is not None else ())
+             or DEFAULT_TASKS.get(config.language.name, ()))
     for t in names:
         tasks_lib.check_task(language, config.language.name, t)
     return names
@@ -189,6 +191,9 @@ class Run:
         """A downstream task's splits {train, validation, test: {tokens, length, label}} (built once, cached)."""
         c = self.config
         tasks_lib.check_task(self.language, c.language.name, task)
+        if c.language.name == "opt":
+            return tasks_lib.glue_task(self.language, task, c.eval.downstream, data_dir(c, self.workdir),
+                                       c.eval.task_train_size, c.eval.task_eval_size, c.language.checkpoint)
         sizes = (c.eval.task_train_size, c.eval.task_eval_size, c.eval.task_eval_size)
         return tasks_lib.build_task(c.language.to_dict(), task, data_dir(c, self.workdir), sizes, seed=c.seed,
                                     definition=c.eval.task_definition, quiet=quiet)

@@ -4,7 +4,7 @@ from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config
 
 
 def get_config(arg: str = "tiny"):
-    preset, language = parse_arg(arg)
+    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))  # no OPT version in the paper
     base = base_run_config(preset, language)
     base.train.update(optimizer="sgd", schedule="constant", warmup_frac=0.12, momentum=0.0, weight_decay=0.0)
     if preset == "tiny":

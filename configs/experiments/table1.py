@@ -11,7 +11,7 @@ from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config
 
 
 def get_config(arg: str = "tiny", default_language: str = "pcfg"):
-    preset, language = parse_arg(arg, default_language)
+    preset, language = parse_arg(arg, default_language, languages=("hmm", "pcfg"))
     base = base_run_config(preset, language)
     if preset == "tiny":
         # Every run trains 300 plain steps (identical across runs), then 600 more: plain AdamW, or the adversarial

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Sequence
 
@@ -138,9 +139,15 @@ Tokenizer = Callable[[str], Sequence[int]]
 
 
 def make_tokenizer(spec: Tokenizer | str) -> Tokenizer:
-    """A text -> OPT ids function: `spec` itself if callable, else a local HF tokenizer directory."""
+    """A text -> OPT ids function: `spec` itself if callable; a `.json` file {token: OPT id} (whitespace split,
+    unknown tokens -> -1, i.e. out of vocabulary: for pre-tokenised text and tests without transformers); else a
+    local HF tokenizer directory."""
     if callable(spec):
         return spec
+    if str(spec).endswith(".json") and os.path.isfile(spec):
+        with open(spec) as f:
+            vocab = {str(k): int(v) for k, v in json.load(f).items()}
+        return lambda text: [vocab.get(w, -1) for w in text.split()]
     if not os.path.isdir(spec):
         raise UserError(f"tokenizer must be a function or a local tokenizer directory; {spec!r} is neither")
     try:

@@ -5,6 +5,8 @@ Task names per language:
         variable, 0-based position 5); "k<i>" — the hidden state at 0-based position i (so task-6 == k5).
         Definition "sampled" (the state that generated the sentence, default) or "posterior" (argmax P(z_i | x)).
   PCFG: "A", "B", "C" — released definition (default), "posterior" or "paper"; see `flatlm.languages.pcfg`.
+  OPT:  "sst2", "qnli" — GLUE from local TSV files re-tokenised into the K words (`flatlm.data.glue`; the
+        paper's Figures 1b, 2c, 5b); splits train and validation (GLUE's test split has no labels).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flatlm.data import glue
 from flatlm.data.builder import building
 from flatlm.errors import UserError
 from flatlm.languages import make_language
@@ -57,14 +60,20 @@ def check_task(language, name: str, task: str) -> None:
     elif name == "pcfg":
         if task not in ("A", "B", "C"):
             raise UserError(f"PCFG task {task!r} is unknown; use A, B or C")
+    elif name == "opt":
+        if task not in glue.TASKS:
+            raise UserError(f"OPT task {task!r} is unknown; use one of {', '.join(glue.TASKS)} (GLUE, local files)")
     else:
-        raise UserError(f"language {name!r} has no synthetic downstream tasks")
+        raise UserError(f"language {name!r} has no downstream tasks")
 
 
 def num_classes(language, name: str, task: str, definition: str = "") -> int:
-    """Number of labels of a task: HMM states, or the PCFG nonterminals the task ranges over (by definition)."""
+    """Number of labels of a task: HMM states, the PCFG nonterminals the task ranges over (by definition), or the
+    GLUE task's classes."""
     if name == "hmm":
         return language.num_states
+    if name == "opt":
+        return len(glue.TASKS[task].label_classes)
     return language.num_labels(task, definition or default_definition(name))
 
 
@@ -155,4 +164,30 @@ def build_task(language_spec: dict, task: str, data_dir: str, sizes: tuple[int, 
     for split, src in builder.as_data_source().items():
         items = src.__getitems__(list(range(len(src))))
         out[split] = {k: np.stack([it[k] for it in items]) for k in ("tokens", "length", "label")}
+    return out
+
+
+def glue_task(language, task: str, downstream, data_dir: str, train_size: int = 0, eval_size: int = 0,
+              checkpoint: str = "") -> dict:
+    """GLUE `task` for the OPT language: {train, validation: {tokens, length, label}} re-tokenised into its K words.
+
+    `downstream` is a config's `eval.downstream` (glue_dir, tokenizer, oov_word, source); the tokenizer defaults to
+    the teacher `checkpoint` directory (its tokenizer files). Sizes > 0 keep the first that many examples of a
+    split (file order).
+    """
+    if not downstream.glue_dir:
+        raise UserError("config.eval.downstream.glue_dir is empty; point it at a local folder holding the GLUE "
+                        f"{glue.TASKS[task].folder}/ TSV files (nothing is downloaded)")
+    tokenizer = downstream.tokenizer or checkpoint
+    if not tokenizer:
+        raise UserError("config.eval.downstream.tokenizer is empty and the OPT language has no checkpoint directory; "
+                        "give a local tokenizer directory or a .json {token: OPT id} vocabulary")
+    oov = "drop" if downstream.oov_word < 0 else int(downstream.oov_word)
+    out = {}
+    for split, n in (("train", train_size), ("validation", eval_size)):
+        d = glue.load_downstream(task, downstream.glue_dir, split, tokenizer, language.token_ids,
+                                 language.max_length, oov=oov, source=downstream.source,
+                                 data_dir=os.path.join(data_dir, "glue"))
+        keep = slice(0, n or len(d.labels))
+        out[split] = {"tokens": d.tokens[keep], "length": d.lengths[keep], "label": d.labels[keep]}
     return out

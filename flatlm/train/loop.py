@@ -284,7 +284,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
                 pending = None
-                last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run, state["params"]).items()}
+                last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run, state["params"]).items()
+                             if not isinstance(v, str)}  # scalars only; "average" is named by the config
                 writer.write(step, last_eval)
                 if jax.process_index() == 0:
                     convergence.update(step, last_eval["eval/kl"])
