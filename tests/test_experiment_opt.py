@@ -12,6 +12,8 @@ from flatlm.config import load_config
 from flatlm.errors import UserError
 from flatlm.experiment import load_experiment, run_config
 from flatlm.languages import make_language
+from flatlm.languages.opt.hf import save_hf_checkpoint
+from flatlm.languages.opt.model import OPTConfig, random_params
 
 
 def _glue_fixture(root, words: list[str]) -> None:
@@ -71,9 +73,13 @@ def test_glue_task_feeds_the_probe_splits_in_the_k_words(tmp_path):
 
 @pytest.mark.slow
 def test_opt_experiment_runs_end_to_end_on_local_glue(tmp_path):
-    """fig1 at tiny,opt: a random OPT teacher, MLM training, exact loss, then SST-2 probes through the GLUE
-    adapter (a JSON vocabulary as tokenizer), all from files the test writes; nothing is downloaded."""
-    language = make_language(load_config(f"{REPO}/configs/opt_mlm.py:tiny").language)
+    """fig1 at tiny,opt from a small local OPT checkpoint (HF layout, written here): MLM training, exact loss, then
+    SST-2 probes through the GLUE adapter (a JSON vocabulary as tokenizer); nothing is downloaded."""
+    cfg = OPTConfig.named("tiny")
+    save_hf_checkpoint(str(tmp_path / "opt"), cfg, random_params(cfg, seed=5, std=0.3))
+    spec = load_config(f"{REPO}/configs/opt_mlm.py:tiny").language
+    spec.update(checkpoint=str(tmp_path / "opt"), opt_shape="")
+    language = make_language(spec)
     words = [f"w{i}" for i in range(len(language.token_ids))]
     vocab = {w: int(t) for w, t in zip(words, language.token_ids, strict=True)}
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
@@ -83,6 +89,7 @@ def test_opt_experiment_runs_end_to_end_on_local_glue(tmp_path):
     work = tmp_path / "exp"
     out = run_cli("experiment", "--config", f"{REPO}/configs/experiments/fig1_after_convergence.py:tiny,opt",
                   "--workdir", str(work), "--quiet", f"--config.base.eval.downstream.glue_dir={glue_dir}",
+                  f"--config.base.language.checkpoint={tmp_path / 'opt'}", "--config.base.language.opt_shape=",
                   f"--config.base.eval.downstream.tokenizer={tmp_path / 'vocab.json'}",
                   "--config.base.eval.downstream.source=tsv", "--config.base.eval.tasks=('sst2',)")
     assert out.returncode == 0, out.stderr[-2000:]

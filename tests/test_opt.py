@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -179,3 +180,17 @@ def test_vocabulary_restriction_choices():
     assert lang.vocab_size == 6 and lang.max_length == 4 and lang.specials.pad == 6
     with pytest.raises(UserError):
         lang.log_prob(np.full((1, 4), 6), np.array([4]))  # the pad id is not a word
+
+
+def test_saved_checkpoint_loads_back_bit_exactly(tmp_path):
+    """`save_hf_checkpoint` writes HF names and layouts that `load_hf_checkpoint` (tested against transformers in
+    test_logits_match_hugging_face) reads back to the same tree, with and without biases."""
+    from flatlm.languages.opt.hf import load_hf_checkpoint, save_hf_checkpoint
+    from flatlm.languages.opt.model import OPTConfig, random_params
+
+    for cfg in (OPTConfig.named("tiny"), dataclasses.replace(OPTConfig.named("tiny"), enable_bias=False)):
+        params = random_params(cfg, seed=3, std=0.3)
+        save_hf_checkpoint(str(tmp_path / str(cfg.enable_bias)), cfg, params)
+        cfg2, params2 = load_hf_checkpoint(str(tmp_path / str(cfg.enable_bias)))
+        assert cfg2 == cfg
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), params2)

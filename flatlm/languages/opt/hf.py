@@ -124,3 +124,57 @@ def load_hf_checkpoint(path: str) -> tuple[OPTConfig, dict]:
     with open(cfg_path) as f:
         cfg = OPTConfig.from_hf(json.load(f))
     return cfg, convert_hf_state(read_hf_state(path), cfg)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write float32/int tensors in the safetensors format `read_safetensors` reads (atomically: temp + rename)."""
+    names = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items() if v != "bfloat16"}
+    header, offset, blobs = {}, 0, []
+    for name, x in tensors.items():
+        x = np.ascontiguousarray(x)
+        header[name] = {"dtype": names[x.dtype], "shape": list(x.shape), "data_offsets": [offset, offset + x.nbytes]}
+        blobs.append(x.tobytes())
+        offset += x.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+    os.replace(tmp, path)
+
+
+def save_hf_checkpoint(path: str, cfg: OPTConfig, params) -> None:
+    """A local HF OPT directory (config.json + model.safetensors, `OPTForCausalLM` names) holding `params`:
+    the inverse of `convert_hf_state`, so a teacher built in flatlm (e.g. `random_params`) can be read back by
+    `load_hf_checkpoint` or by transformers. Tests use it to make small local checkpoints without a hub."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    H, Dh, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    sd = {"embed_tokens.weight": p["embed_tokens"], "embed_positions.weight": p["embed_positions"]}
+    if cfg.has_projection:
+        sd["project_in.weight"], sd["project_out.weight"] = p["project_in"].T, p["project_out"].T
+    if cfg.has_final_ln:
+        sd["final_layer_norm.weight"] = p["final_ln"]["norm"]["scale"]
+        sd["final_layer_norm.bias"] = p["final_ln"]["norm"]["bias"]
+    for i in range(cfg.num_layers):
+        layer, pre = p[f"layer_{i}"], f"layers.{i}."
+        attn, mlp = layer["attn"], layer["mlp"]
+        for j, n in enumerate("qkv"):
+            sd[pre + f"self_attn.{n}_proj.weight"] = attn["qkv"][:, j].reshape(D, H * Dh).T
+        sd[pre + "self_attn.out_proj.weight"] = attn["out"].reshape(H * Dh, D).T
+        sd[pre + "fc1.weight"], sd[pre + "fc2.weight"] = mlp["wi"].T, mlp["wo"].T
+        if cfg.enable_bias:
+            for j, n in enumerate("qkv"):
+                sd[pre + f"self_attn.{n}_proj.bias"] = attn["qkv_bias"][j].reshape(H * Dh)
+            sd[pre + "self_attn.out_proj.bias"] = attn["out_bias"]
+            sd[pre + "fc1.bias"], sd[pre + "fc2.bias"] = mlp["bi"], mlp["bo"]
+        for ln, name in (("attn_ln", "self_attn_layer_norm"), ("mlp_ln", "final_layer_norm")):
+            sd[pre + f"{name}.weight"] = layer[ln]["norm"]["scale"]
+            sd[pre + f"{name}.bias"] = layer[ln]["norm"]["bias"]
+    os.makedirs(path, exist_ok=True)
+    config = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "tie_word_embeddings": True,
+              "layer_norm_elementwise_affine": True, **cfg.to_hf()}
+    if not cfg.has_projection:
+        config["word_embed_proj_dim"] = cfg.hidden_size
+    write_safetensors(os.path.join(path, "model.safetensors"), {f"model.decoder.{k}": v for k, v in sd.items()})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
