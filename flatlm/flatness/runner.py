@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from flatlm import locks
 from flatlm import results as results_lib
-from flatlm.flatness import compare, grow
-from flatlm.models import Bert
+from flatlm.flatness import compare, grow, grow_lstm
+from flatlm.models import Bert, BiLSTM
 from flatlm.run import Run, load_run
 
 
@@ -29,13 +29,16 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
-    function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`. Appending holds the
+    function (paper Figure 5, B.4), so sizes compare; for a BiLSTM it is (num_layers, d_hidden), width only.
+    Step s uses the key `seed + s`. Appending holds the
     workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap):
         model = run.model
+        lstm = isinstance(model, BiLSTM)
         if grow_to is not None:
-            model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))
+            model = (BiLSTM(grow_lstm.grown_lstm_config(model.cfg, grow_to[1], grow_to[0])) if lstm else
+                     Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1])))
         steps = list(run.steps) if steps is None else list(steps)
         batches = run.mlm_batches(num_batches, batch_size, seed=seed)
         kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
@@ -45,7 +48,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
         for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
                                                        disable=not progress, file=sys.stderr)):
             if grow_to is not None:
-                params = grow.embed(params, run.model.cfg, model.cfg)
+                embed = grow_lstm.embed_lstm if lstm else grow.embed
+                params = embed(params, run.model.cfg, model.cfg)
             key = jax.random.key(seed + step)
             if gap:
                 entries.append({"kind": "flatness_gap", "step": step,
