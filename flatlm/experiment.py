@@ -49,7 +49,8 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     c.runs = [{"name": n, "overrides": list(o)} for n, o in runs]
     c.evaluate = evaluate
     defaults = dict(enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50,
-                    grow_to=())  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
+                    grow_to=(),  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
+                    groups="")  # per-group traces: "" (top-level keys), "leaf", "growth" (see flatness.estimates)
     c.flatness = ml_collections.ConfigDict({**defaults, **(flatness or {})})
     return c
 
@@ -174,7 +175,7 @@ def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
     if steps:
         flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,
-                     grow_to=tuple(fcfg.grow_to) or None, progress=progress)
+                     grow_to=tuple(fcfg.grow_to) or None, groups=fcfg.get("groups") or None, progress=progress)
 
 
 def load_experiment(spec: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +155,46 @@ def test_table4_members_embed_into_its_largest_shape():
         small = BertConfig.from_shape(member, num_words=10, max_len=8)
         big = grow.grown_config(small, d_model=width, num_layers=layers)
         assert width % D == 0 and layers >= L and big.heads == 30 and big.ff == 4 * width
+
+
+def _model_fisher_by_leaf(model, params, masked_BT, pos_B) -> dict[str, float]:
+    """Exact model Fisher trace per tensor: mean over contexts of sum_y p(y|x) ||grad log p(y|x)||^2 (= Tr(H) at
+    the saturation optimum, Lemma 4.2), by the full Jacobian (no sampling)."""
+    B = masked_BT.shape[0]
+
+    def logp(p):
+        return jax.nn.log_softmax(model.apply({"params": p}, masked_BT)[jnp.arange(B), pos_B])
+
+    jac, probs = jax.jacrev(logp)(params), jnp.exp(logp(params))
+    out = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(jac)[0]:
+        name = "/".join(str(k.key) for k in path)
+        out[name] = float(jnp.sum(probs * jnp.sum(g.reshape(B, probs.shape[1], -1) ** 2, -1)) / B)
+    return out
+
+
+def test_growth_rescales_the_fisher_trace_of_exactly_the_non_invariant_tensors():
+    """Why Figure 5's grown views do not compare traces like for like (issue 13, C2): width x k leaves the Fisher
+    trace of GROWTH_INVARIANT tensors unchanged, divides that of biases, LayerNorms and embeddings by k and
+    multiplies the head LayerNorm's by k; added blocks contribute through their (zero) output biases."""
+    from flatlm.flatness.estimates import growth_group
+
+    with float64_everywhere():
+        V, T, B = 6, 5, 12
+        small = BertConfig(num_words=V, max_len=T, d_model=8, num_layers=1, num_heads=1, d_ff=16, dropout=0.0,
+                           attention_dropout=0.0, dtype="float64", param_dtype="float64")
+        tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+        params = nn.unbox(Bert(small).init(jax.random.key(0), tokens)["params"])
+        params = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), params)
+        pos = jnp.arange(B) % T
+        masked = tokens.at[jnp.arange(B), pos].set(V + 1)
+        before = _model_fisher_by_leaf(Bert(small), params, masked, pos)
+        k = 2
+        big = grow.grown_config(small, d_model=8 * k, num_layers=2)
+        after = _model_fisher_by_leaf(Bert(big), grow.embed(params, small, big), masked, pos)
+    for name, value in before.items():
+        leaf = tuple(name.split("/"))
+        factor = 1.0 if growth_group(leaf) == "growth_invariant" else k if name.startswith("head_ln") else 1 / k
+        assert after[name] == pytest.approx(factor * value, rel=1e-8), name
+    added = {n: v for n, v in after.items() if n.startswith("layer_1/") and v > 1e-12}
+    assert set(added) == {"layer_1/attn/out_bias", "layer_1/mlp/bo"}  # zero blocks feel the stream's gradient

@@ -160,14 +160,27 @@ def leaf_group(path: tuple[str, ...]) -> str:
     return "/".join(path) or "params"
 
 
+# BERT tensors whose Fisher trace (= Tr(H) at the saturation optimum, Lemma 4.2) is unchanged by the function-
+# preserving growth of flatlm.flatness.grow (width x k and added blocks). Every other tensor's is rescaled: biases,
+# LayerNorms and embeddings by 1/k, the head LayerNorm by k; added blocks' output biases add their own terms
+# (tests/test_grow.py measures each factor exactly). Comparing sizes on this part needs no growth at all.
+GROWTH_INVARIANT = ("qkv", "out", "wi", "wo", "head_dense", "head_bias")
+
+
+def growth_group(path: tuple[str, ...]) -> str:
+    """"growth_invariant" for the tensors in GROWTH_INVARIANT (by leaf name), else "growth_rescaled"."""
+    return "growth_invariant" if path and path[-1] in GROWTH_INVARIANT else "growth_rescaled"
+
+
 def param_groups(params, groups: GroupFn | str | None = None) -> tuple[list[str], list[int]]:
     """Group names (in first-seen leaf order) and, per leaf of `jax.tree.leaves(params)`, its group index.
 
-    groups: None or "top" (top-level keys), "leaf" (every tensor), or a function of the path tuple.
+    groups: None or "top" (top-level keys), "leaf" (every tensor), "growth" (`growth_group`), or a function of
+    the path tuple.
     """
-    fn = {None: top_level_group, "top": top_level_group, "leaf": leaf_group}.get(groups, groups)
+    fn = {None: top_level_group, "top": top_level_group, "leaf": leaf_group, "growth": growth_group}.get(groups, groups)
     if not callable(fn):
-        raise ValueError(f"groups must be None, 'top', 'leaf' or a callable, got {groups!r}")
+        raise ValueError(f"groups must be None, 'top', 'leaf', 'growth' or a callable, got {groups!r}")
     names: list[str] = []
     ids: list[int] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
