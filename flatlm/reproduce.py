@@ -177,8 +177,9 @@ def _point(run: RunData, step: int) -> dict:
     loss = _at(run, "exact_loss", step)
     probe = _at(run, "probe", step, task=_task(run))
     trace = _at(run, "flatness", step)
+    invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
     return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
-            "trace": trace["trace"] if trace else None}
+            "trace": trace["trace"] if trace else None, "trace_invariant": invariant}
 
 
 def _finding(name: str, control: dict[int, float], treatment: dict[int, float], sign: int,
@@ -204,6 +205,9 @@ ACC = ("probe accuracy", "accuracy", +1, 100.0, " pp")  # (name, key, the paper'
 ACC_DOWN = ("probe accuracy", "accuracy", -1, 100.0, " pp")
 TRACE_DOWN = ("Tr(H)", "trace", -1, 1.0, "")
 TRACE_UP = ("Tr(H)", "trace", +1, 1.0, "")
+# Tr(H) over the tensors whose trace growth leaves unchanged (flatness.estimates.GROWTH_INVARIANT): the paper's
+# grown-view trace also carries growth's 1/k and k factors on the other tensors (tests/test_grow.py)
+TRACE_INVARIANT_DOWN = ("Tr(H) of growth-invariant tensors", "trace_invariant", -1, 1.0, "")
 
 
 def _named(spec, prefix):
@@ -243,7 +247,8 @@ def claim_c1(exp: Path) -> ClaimResult:
 
 def _final(run: RunData) -> dict:
     steps = _measured_steps(run)
-    return _point(run, steps[-1]) if steps else {"loss": None, "accuracy": None, "trace": None}
+    return _point(run, steps[-1]) if steps else {"loss": None, "accuracy": None, "trace": None,
+                                                 "trace_invariant": None}
 
 
 def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], list[str]]:
@@ -270,8 +275,10 @@ def claim_c2(fig2: Path, fig5: Path) -> ClaimResult:
     small, large, notes = _smallest_and_largest(fig2)
     found, checks = _pairs(small, large, "fig2 smallest vs largest", _named((ACC,), "largest - smallest"))
     small5, large5, notes5 = _smallest_and_largest(fig5)
+    spec = (TRACE_DOWN,) + ((TRACE_INVARIANT_DOWN,) if any(p.get("trace_invariant") is not None
+                                                          for p in [*small5.values(), *large5.values()]) else ())
     found5, checks5 = _pairs(small5, large5, "fig5 smallest vs largest",
-                             _named((TRACE_DOWN,), "largest - smallest, after growth into one shape"))
+                             _named(spec, "largest - smallest, after growth into one shape"))
     return ClaimResult("C2", *SUITE["C2"][:2], found + found5, checks + checks5, notes + notes5)
 
 

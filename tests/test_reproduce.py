@@ -14,8 +14,9 @@ from flatlm.config import base_config
 SEEDS = (0, 1, 2)
 
 
-def _run(exp, name, points, d_model=64, converged_at=None):
-    """A run folder with config.json, results.json ({step: (loss, kl, accuracy, trace)}) and convergence.json."""
+def _run(exp, name, points, d_model=64, converged_at=None, invariant=None):
+    """A run folder with config.json, results.json ({step: (loss, kl, accuracy, trace)}) and convergence.json;
+    `invariant`: {step: growth-invariant part of the trace} as `--groups growth` records it."""
     d = exp / "runs" / name
     d.mkdir(parents=True)
     c = base_config()
@@ -27,8 +28,9 @@ def _run(exp, name, points, d_model=64, converged_at=None):
                      "log_kl": -4.0},
                     {"kind": "probe", "step": step, "task": "k6", "accuracy": acc, "accuracy_std": 0.01}]
         if trace is not None:
+            detail = {"per_group": {"growth_invariant": invariant[step]}} if invariant else {}
             results.append({"kind": "flatness", "step": step, "method": "fisher", "trace": trace,
-                            "trace_stderr": 0.1})
+                            "trace_stderr": 0.1, "detail": detail})
     (d / "results.json").write_text(json.dumps({"results": results}))
     if converged_at is not None:
         (d / "convergence.json").write_text(json.dumps({"converged_at": converged_at}))
@@ -100,6 +102,23 @@ def test_c2_orders_models_by_parameter_count(tmp_path):
     assert [f.verdict for f in result.findings] == ["reproduced", "reproduced"]
     assert result.findings[0].effect.mean == pytest.approx(0.10)
     assert result.findings[1].effect.mean == pytest.approx(-2.0)
+
+
+def test_c2_also_judges_the_growth_invariant_trace_when_recorded(tmp_path):
+    """Whole grown-view Tr(H) up with size (growth's 1/k factors favour small models), invariant part down: the
+    claim is not reproduced on the paper's measure, reproduced on the invariant one, and both are reported."""
+    for name in ("fig2_model_sizes", "fig5_grown_sizes"):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            for i, d in enumerate((32, 64, 128)):
+                trace, inv = 5.0 + i + 0.1 * s, 4.0 - i + 0.05 * s
+                _run(exp, f"d{d}-seed{s}", {120: (2.0, 0.01, 0.3 + 0.05 * i + 0.01 * s, trace)}, d_model=d,
+                     invariant={120: inv})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C2",))
+    names = [f.name for f in result.findings]
+    assert [f.verdict for f in result.findings] == ["reproduced", "not reproduced", "reproduced"], names
+    assert "growth-invariant" in names[2] and result.findings[2].effect.mean == pytest.approx(-2.0)
+    assert result.verdict == "not reproduced"
 
 
 def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_out(tmp_path):
