@@ -1,0 +1,158 @@
+"""The Hessian's spectrum beyond its trace, from Hessian-vector products of any `loss_fn(params) -> scalar`.
+
+- `lanczos`: m steps of the Lanczos iteration on a symmetric matvec over parameter pytrees, with full
+  reorthogonalisation (the basis is kept, m parameter copies), giving the tridiagonal T_m.
+- `top_eigenvalues`: the k largest Ritz values of T_m with their residual bounds |beta_m * s_mi| (a Ritz value
+  is within its bound of an eigenvalue of H); one HVP per step.
+- `power_iteration`: the top eigenvalue by repeated HVPs, the independent check of Lanczos's largest value
+  (it converges to the eigenvalue of largest magnitude).
+- `spectral_density`: stochastic Lanczos quadrature (Ubaru, Chen & Saad 2017; Ghorbani et al. 2019): for each
+  of P random unit probes v, the Gauss quadrature nodes theta_j (Ritz values) and weights tau_j^2 (squared first
+  components of T_m's eigenvectors) give v^T f(H) v ~ sum_j tau_j^2 f(theta_j). Over probes,
+  n * mean(sum_j tau_j^2 theta_j^p) estimates Tr(H^p) (exactly, in expectation, for p < 2m), and a Gaussian
+  smoothing of the nodes is the density plotted by `Density.curve`.
+Eigenvalues and densities are in the units of the loss's curvature (nats per unit^2 of parameter), like Tr(H).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatlm.flatness.hessian import hvp_fn, probe_like
+
+Params = object
+MatVec = Callable[[Params], Params]
+
+
+def _dot(a: Params, b: Params) -> float:
+    return float(sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+
+
+def _axpy(alpha: float, x: Params, y: Params) -> Params:
+    return jax.tree.map(lambda xi, yi: yi + alpha * xi, x, y)
+
+
+def _scale(alpha: float, x: Params) -> Params:
+    return jax.tree.map(lambda xi: alpha * xi, x)
+
+
+def num_params(params: Params) -> int:
+    """Number of scalars in a parameter pytree (n, the Hessian's dimension)."""
+    return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha[m], beta[m]) of T_m from `num_iters` Lanczos steps started at `v0` (normalised here); beta[-1] is
+    the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters)."""
+    v = _scale(1.0 / np.sqrt(_dot(v0, v0)), v0)
+    basis, alphas, betas = [v], [], []
+    for _ in range(num_iters):
+        w = matvec(basis[-1])
+        alphas.append(_dot(w, basis[-1]))
+        for _ in range(2):  # full reorthogonalisation, twice ("twice is enough")
+            for q in basis:
+                w = _axpy(-_dot(w, q), q, w)
+        beta = float(np.sqrt(max(_dot(w, w), 0.0)))
+        betas.append(beta)
+        if beta <= 1e-10 * max(1.0, abs(alphas[-1])):
+            break
+        basis.append(_scale(1.0 / beta, w))
+    return np.asarray(alphas), np.asarray(betas)
+
+
+def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (ascending) and eigenvectors of the tridiagonal T_m."""
+    m = len(alphas)
+    T = np.diag(alphas) + np.diag(betas[: m - 1], 1) + np.diag(betas[: m - 1], -1)
+    return np.linalg.eigh(T)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopEigenvalues:
+    """The k largest Ritz values (descending), each within `residual` of an eigenvalue of H; `num_matvecs` HVPs."""
+
+    values: np.ndarray
+    residual: np.ndarray
+    num_matvecs: int
+
+    def to_dict(self) -> dict:
+        """JSON-able form for results.json."""
+        return {"values": self.values.tolist(), "residual": self.residual.tolist(), "num_matvecs": self.num_matvecs}
+
+
+def top_eigenvalues(loss_fn: Callable[[Params], jax.Array], params: Params, key: jax.Array, k: int = 5,
+                    num_iters: int | None = None, matvec: MatVec | None = None) -> TopEigenvalues:
+    """The k largest eigenvalues of the Hessian of `loss_fn` at `params` by Lanczos from a Rademacher start.
+
+    num_iters defaults to k + 5 (k = 20 in 25 HVPs); `matvec` replaces the HVP (e.g. a Fisher-vector product)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    mv = matvec or jax.jit(hvp_fn(loss_fn, params))
+    m = min(num_iters or k + 5, num_params(params))
+    alphas, betas = lanczos(mv, probe_like(key, params), m)
+    theta, S = _ritz(alphas, betas)
+    order = np.argsort(theta)[::-1][:k]
+    return TopEigenvalues(theta[order], np.abs(betas[-1] * S[-1, order]), len(alphas))
+
+
+def power_iteration(loss_fn: Callable[[Params], jax.Array], params: Params, key: jax.Array, num_iters: int = 200,
+                    tol: float = 1e-7, matvec: MatVec | None = None) -> tuple[float, int]:
+    """(eigenvalue of largest magnitude, HVPs used): v <- Hv / |Hv| until the Rayleigh quotient moves < tol."""
+    mv = matvec or jax.jit(hvp_fn(loss_fn, params))
+    v = probe_like(key, params)
+    v = _scale(1.0 / np.sqrt(_dot(v, v)), v)
+    value = 0.0
+    for i in range(1, num_iters + 1):
+        w = mv(v)
+        new = _dot(w, v)
+        v = _scale(1.0 / np.sqrt(_dot(w, w)), w)
+        if abs(new - value) <= tol * max(1.0, abs(new)):
+            return new, i
+        value = new
+    return value, num_iters
+
+
+@dataclasses.dataclass(frozen=True)
+class Density:
+    """Stochastic Lanczos quadrature: nodes[P, m] and weights[P, m] (each row sums to 1) of P probes, dim n."""
+
+    nodes: np.ndarray
+    weights: np.ndarray
+    dim: int
+
+    def moment(self, p: int) -> tuple[float, float]:
+        """(estimate, standard error over probes) of Tr(H^p) = n * E_v[v^T H^p v] for unit v."""
+        per_probe = self.dim * np.sum(self.weights * self.nodes ** p, axis=1)
+        se = per_probe.std(ddof=1) / np.sqrt(len(per_probe)) if len(per_probe) > 1 else float("nan")
+        return float(per_probe.mean()), float(se)
+
+    def curve(self, grid: np.ndarray, sigma: float | None = None) -> np.ndarray:
+        """Density of eigenvalues on `grid` (integrates to ~1): the nodes smoothed by Gaussians of width `sigma`
+        (default: 1% of the node range)."""
+        span = float(self.nodes.max() - self.nodes.min()) or 1.0
+        s = sigma or 0.01 * span
+        g = np.exp(-0.5 * ((grid[None, None, :] - self.nodes[..., None]) / s) ** 2) / (s * np.sqrt(2 * np.pi))
+        return np.sum(self.weights[..., None] * g, axis=(0, 1)) / len(self.nodes)
+
+    def to_dict(self) -> dict:
+        """JSON-able form for results.json."""
+        return {"nodes": self.nodes.tolist(), "weights": self.weights.tolist(), "dim": self.dim}
+
+
+def spectral_density(loss_fn: Callable[[Params], jax.Array], params: Params, key: jax.Array, num_probes: int = 8,
+                     num_iters: int = 30, matvec: MatVec | None = None) -> Density:
+    """SLQ over `num_probes` Rademacher probes of `num_iters` Lanczos steps each (probes * iters HVPs)."""
+    mv = matvec or jax.jit(hvp_fn(loss_fn, params))
+    m = min(num_iters, num_params(params))
+    nodes = np.zeros((num_probes, m))
+    weights = np.zeros((num_probes, m))
+    for i in range(num_probes):
+        alphas, betas = lanczos(mv, probe_like(jax.random.fold_in(key, i), params), m)
+        theta, S = _ritz(alphas, betas)
+        nodes[i, : len(theta)], weights[i, : len(theta)] = theta, S[0] ** 2
+    return Density(nodes, weights, num_params(params))
