@@ -79,6 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
                 lam=0.0, ridge=1.0, d1_size=256, d2_size=256, loss="squared", ce_scale=1.0, cap_at_chance=True,
                 projection_dim=0, projection_seed=0, normalize="global", task="", pool_size=0, monitor=False,
                 start_step=0)),
+            # Flatness-seeking objectives (beyond the paper; flatlm.train.flat_objectives.FlatConfig documents
+            # every field): method "none" | "sam" | "label_noise" | "trace_penalty".
+            flat=ml_collections.ConfigDict(dict(method="none", rho=0.05, ascent_groups=1, noise_p=0.1,
+                                                noise_source="model", gamma=0.01, probes=1)),
         )
     )
     c.eval = ml_collections.ConfigDict(

@@ -2,7 +2,7 @@
 
 from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
-from flatlm.train import adversarial
+from flatlm.train import adversarial, flat_objectives
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("linear", "constant", "cosine")
@@ -23,5 +23,10 @@ def validate_config(config) -> None:
         adversarial.validate(adv)
     if adv.active and config.language.name not in TASK_LANGUAGES:
         raise UserError("the adversarial objective needs a language with downstream tasks (hmm or pcfg)")
+    flat = flat_objectives.FlatConfig(**train.get("flat", {}))
+    flat_objectives.validate(flat, config.data.batch_size)
+    if adv.active and flat.method != "none":
+        raise UserError(f"config.train.flat.method={flat.method!r} and the adversarial objective cannot be combined; "
+                        "set one of them off")
     if adv.active and adv.start_step >= train.steps:
         raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")

@@ -37,7 +37,7 @@ from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
 from flatlm.run import Run, build_run, check_workdir, initialize_distributed
 from flatlm.train import adversarial as adv
-from flatlm.train import optim
+from flatlm.train import flat_objectives, optim
 from flatlm.train.step import mlm_objective, train_step
 
 log = logging.getLogger("flatlm")
@@ -234,7 +234,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     else:
         log.info("resumed from step %d", start)
     adv_objective, down_batches = adversarial_setup(run, start)
-    step_fn = jit_train_step(run, setup, objective or adv_objective or mlm_objective)
+    flat_objective = flat_objectives.make_objective(flat_objectives.FlatConfig(**config.train.get("flat", {})))
+    step_fn = jit_train_step(run, setup, objective or adv_objective or flat_objective or mlm_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
     plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)

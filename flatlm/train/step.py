@@ -20,8 +20,11 @@ def mlm_objective(params, batch, apply_fn, dropout_key):
 
 def train_step(state: dict, batch: dict, *, apply_fn, optimizer: optax.GradientTransformation, seed: int,
                objective: Objective = mlm_objective, dropout: bool = True):
-    """One optimizer step. Dropout keys are fold_in(seed, step), so a resumed run repeats its randomness."""
-    key = jax.random.fold_in(jax.random.key(seed), state["step"]) if dropout else None
+    """One optimizer step. Dropout keys are fold_in(seed, step), and objectives that draw (label noise, probes)
+    read `batch["rng"]` = fold_in(fold_in(seed, step), 1), so a resumed run repeats its randomness."""
+    step_key = jax.random.fold_in(jax.random.key(seed), state["step"])
+    key = step_key if dropout else None
+    batch = {**batch, "rng": jax.random.fold_in(step_key, 1)}
     (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(state["params"], batch, apply_fn, key)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)

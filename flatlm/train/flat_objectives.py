@@ -1,0 +1,135 @@
+"""Flatness-seeking objectives for the train step (beyond the paper: does seeking flatness move downstream at equal
+loss?). Each is an `Objective` (params, batch, apply_fn, dropout_key) -> (loss, aux) like `mlm_objective`, so the
+step, its shardings, checkpoints and resumption are the plain ones; config `train.flat` (FlatConfig) picks one.
+
+- "sam" (Foret et al. 2021): the MLM loss at params + rho * g / |g|, g the batch gradient held constant (the usual
+  first-order SAM gradient). `ascent_groups` splits the batch into that many groups, each with its own ascent
+  step (m-sharpness): 1 is SAM on the batch (with a large batch, close to penalising the top eigenvalue); one group
+  per sentence is stochastic SAM, which penalises Tr(H) (Wen et al. 2022). Cost: two forward-backward passes.
+  Written as an objective rather than with `optax.contrib.sam`, whose opaque mode needs the loss's gradient inside
+  `optimizer.update` and whose transparent mode alternates ascent and descent *steps* (doubling the step count
+  that schedules, checkpoints and resumption count); the maths is the same.
+- "label_noise": each step replaces a fraction `noise_p` of the masked targets by a draw from the model's own
+  (stop-gradient) prediction ("model") or from the uniform distribution over words ("uniform"): the label noise of
+  Section 4's mechanism made explicit (Blanc et al. 2020; Damian et al. 2021).
+- "trace_penalty": L + gamma * Tr(H), Tr(H) of the batch loss by `probes` Hutchinson probes v^T H v (Rademacher,
+  forward-over-reverse HVP, dropout off), differentiated through (third derivatives): the explicit regulariser.
+Randomness (label draws, probes) comes from `batch["rng"]`, which `train_step` sets to fold_in(seed + 1, step),
+so a resumed run repeats it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flatlm.config import check_choice
+from flatlm.errors import UserError
+from flatlm.models.losses import mlm_loss
+
+METHODS = ("none", "sam", "label_noise", "trace_penalty")
+NOISE_SOURCES = ("model", "uniform")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatConfig:
+    """`train.flat`: method (METHODS), SAM's rho and ascent_groups, label noise's noise_p and noise_source, the
+    penalty's gamma and probes."""
+
+    method: str = "none"
+    rho: float = 0.05
+    ascent_groups: int = 1
+    noise_p: float = 0.1
+    noise_source: str = "model"
+    gamma: float = 0.01
+    probes: int = 1
+
+
+def validate(cfg: FlatConfig, batch_size: int) -> None:
+    """One line naming the `train.flat.*` field on failure."""
+    check_choice(cfg.method, METHODS, "train.flat.method")
+    check_choice(cfg.noise_source, NOISE_SOURCES, "train.flat.noise_source")
+    if cfg.rho <= 0 or cfg.gamma < 0 or cfg.probes < 1:
+        raise UserError("config.train.flat needs rho > 0, gamma >= 0 and probes >= 1")
+    if not 0 <= cfg.noise_p <= 1:
+        raise UserError(f"config.train.flat.noise_p must be in [0, 1], got {cfg.noise_p}")
+    if cfg.ascent_groups < 1 or batch_size % cfg.ascent_groups:
+        raise UserError(f"config.train.flat.ascent_groups={cfg.ascent_groups} must divide data.batch_size="
+                        f"{batch_size} (1: SAM on the batch; batch_size: one ascent step per sentence)")
+
+
+def _norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def sam_objective(cfg: FlatConfig):
+    """SAM with `cfg.ascent_groups` independent ascent steps (see the module docstring)."""
+
+    def perturbed(params, group, apply_fn, key):
+        plain, g = jax.value_and_grad(mlm_loss)(params, group, apply_fn, key)
+        scale = cfg.rho / (_norm(g) + 1e-12)
+        eps = jax.tree.map(lambda x: jax.lax.stop_gradient(scale * x).astype(x.dtype), g)
+        return mlm_loss(jax.tree.map(jnp.add, params, eps), group, apply_fn, key), plain
+
+    def objective(params, batch, apply_fn, dropout_key):
+        data = {k: batch[k] for k in ("tokens", "targets", "weights")}
+        groups = jax.tree.map(lambda x: x.reshape(cfg.ascent_groups, -1, *x.shape[1:]), data)
+        sharp, plain = jax.vmap(perturbed, in_axes=(None, 0, None, None))(params, groups, apply_fn, dropout_key)
+        plain = jax.lax.stop_gradient(plain.mean())
+        return sharp.mean(), {"train/mlm_loss": plain, "train/sam_sharpness": sharp.mean() - plain}
+
+    return objective
+
+
+def label_noise_objective(cfg: FlatConfig):
+    """MLM on targets of which a fraction noise_p is redrawn from the model or uniformly, per step."""
+
+    def objective(params, batch, apply_fn, dropout_key):
+        k_pick, k_draw = jax.random.split(batch["rng"])
+        targets = batch["targets"]
+        if cfg.noise_source == "model":
+            logits = jax.lax.stop_gradient(apply_fn({"params": params}, batch["tokens"]))
+            drawn = jax.random.categorical(k_draw, logits.astype(jnp.float32), axis=-1)
+        else:
+            num_words = apply_fn({"params": params}, batch["tokens"][:1]).shape[-1]
+            drawn = jax.random.randint(k_draw, targets.shape, 0, num_words)
+        flip = jax.random.bernoulli(k_pick, cfg.noise_p, targets.shape)
+        noisy = {**batch, "targets": jnp.where(flip, drawn, targets).astype(targets.dtype)}
+        return mlm_loss(params, noisy, apply_fn, dropout_key), {"train/noisy_fraction": flip.mean()}
+
+    return objective
+
+
+def hutchinson_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
+    """Mean over `probes` Rademacher v of v^T H v, H the Hessian of the batch's MLM loss (dropout off)."""
+    loss = lambda p: mlm_loss(p, batch, apply_fn)
+    leaves, treedef = jax.tree.flatten(params)
+
+    def one(k):
+        keys = jax.random.split(k, len(leaves))
+        v = treedef.unflatten([jax.random.rademacher(kk, x.shape, x.dtype) for kk, x in zip(keys, leaves,
+                                                                                            strict=True)])
+        hv = jax.jvp(jax.grad(loss), (params,), (v,))[1]
+        return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(hv), strict=True))
+
+    return jnp.mean(jax.vmap(one)(jax.random.split(key, probes)))
+
+
+def trace_penalty_objective(cfg: FlatConfig):
+    """L + gamma * (Hutchinson estimate of Tr(H)) of the batch."""
+
+    def objective(params, batch, apply_fn, dropout_key):
+        loss = mlm_loss(params, batch, apply_fn, dropout_key)
+        trace = hutchinson_penalty(params, batch, apply_fn, batch["rng"], cfg.probes)
+        return loss + cfg.gamma * trace, {"train/mlm_loss": jax.lax.stop_gradient(loss),
+                                          "train/trace_estimate": jax.lax.stop_gradient(trace)}
+
+    return objective
+
+
+def make_objective(cfg: FlatConfig):
+    """The objective of `cfg.method`, or None for "none" (plain MLM)."""
+    return {"none": lambda c: None, "sam": sam_objective, "label_noise": label_noise_objective,
+            "trace_penalty": trace_penalty_objective}[cfg.method](cfg)
