@@ -19,7 +19,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_theory_dyck_writes_png_and_json(tmp_path, capsys):
     args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--seeds", "0", "1", "--steps", "20",
-                  "--probes", "0", "--out", str(tmp_path), "--json")
+                  "--probes", "0", "--draw", "mirrored", "--out", str(tmp_path), "--json")
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
     assert out == json.loads((tmp_path / cli.RESULTS_NAME).read_text())
@@ -33,11 +33,16 @@ def test_theory_dyck_writes_png_and_json(tmp_path, capsys):
 
 
 def test_theory_dyck_table_and_user_errors(tmp_path, capsys):
-    args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--seeds", "0", "--steps", "0", "--probes", "2",
+    args = _parse("theory", "dyck", "--T", "4", "--m", "32", "--seeds", "0", "--steps", "0", "--probes", "2",
                   "--out", str(tmp_path))
     assert args.func(args) == 0
     table = capsys.readouterr().out
     assert "Tr(H) Hutchinson" in table and "random_features" in table and "transferable" in table
+    args = _parse("theory", "dyck", "--T", "6", "--m", "2", "--seeds", "0", "--steps", "0", "--probes", "0",
+                  "--out", str(tmp_path))
+    assert args.func(args) == 0  # Theorem 6.1's m >= 2; the random features are left out with a note
+    table = capsys.readouterr().out
+    assert "transferable" in table and "random_features" not in table and "m >= 132" in table
     with pytest.raises(UserError, match="even"):
         args = _parse("theory", "dyck", "--T", "5", "--out", str(tmp_path))
         args.func(args)

@@ -40,7 +40,9 @@ def add_parser(subparsers) -> None:
                        "features), their exact Tr(H) and downstream loss, and SGD runs with and without a Tr(H) "
                        "penalty from a random init.")
     d.add_argument("--T", type=int, default=6, help="string length, even (default 6)")
-    d.add_argument("--m", type=int, default=0, help="width (number of neurons), even and >= 4T (default 4T)")
+    d.add_argument("--m", type=int, default=0,
+                   help="width (number of neurons), >= 2 (Theorem 6.1); random features need more (gaussian: "
+                   "T C(T, T/2) + 2T, 132 at T=6; mirrored: even and >= 4T); default: the random features' minimum")
     d.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                    help="seeds for random features and downstream samples (default 0 1 2; training uses the first)")
     d.add_argument("--steps", type=int, default=3000, help="SGD steps per training run; 0 skips training")
@@ -55,8 +57,11 @@ def add_parser(subparsers) -> None:
     d.add_argument("--d-attn", type=int, default=0, help="rows of Q and K (default 2T)")
     d.add_argument("--probes", type=int, default=32,
                    help="Hutchinson probes per trace estimate (shared flatness estimator); 0 skips it")
-    d.add_argument("--balance", action="store_true",
-                   help="rescale each random-feature neuron to its own Tr(H) minimum (same function)")
+    d.add_argument("--draw", default="gaussian", choices=list(dyck.RF_DRAWS),
+                   help="random features: gaussian (default, the paper's V_i ~ N(0, T I)) or mirrored ([W; -W])")
+    d.add_argument("--no-balance", dest="balance", action="store_false",
+                   help="keep the min-norm head as fitted instead of rescaling each random-feature neuron to its "
+                   "own Tr(H) minimum (same function; unbalanced overstates the random features' Tr(H))")
     d.add_argument("--float32", action="store_true", help="compute in float32 (default float64)")
     d.add_argument("--out", default="theory_dyck", help="directory for the PNG plot and results.json")
     add_output_flags(d, quiet=False)
@@ -83,7 +88,8 @@ def _run_dyck(args: argparse.Namespace) -> int:
         with jax.enable_x64(not args.float32):
             results = dyck.run_check(T=args.T, m=args.m, seeds=args.seeds, steps=args.steps,
                                      n_downstream=args.n_downstream, samples=args.samples, train_cfg=cfg,
-                                     num_probes=args.probes, balance=args.balance, progress=bar.update)
+                                     num_probes=args.probes, balance=args.balance, draw=args.draw,
+                                     progress=bar.update)
     except FloatingPointError as e:
         raise UserError(f"{e} (pass a smaller --lr)") from None
     finally:
@@ -104,6 +110,8 @@ def _run_dyck(args: argparse.Namespace) -> int:
               f"{results['n_downstream']} samples. Flattest possible Tr(H) = 4/(m sqrt T) = "
               f"{results['flattest_trace']:.4g}")
         print_table(results["solutions"], COLUMNS)
+        if results["random_features_note"]:
+            print(results["random_features_note"])
         print(f"wrote {os.path.join(args.out, RESULTS_NAME)}"
               + (f" and {results['plot']}" if results["plot"] else ""), file=sys.stderr)
     return 0
