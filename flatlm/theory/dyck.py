@@ -273,7 +273,7 @@ def run_check(T: int = 6, m: int = 0, seeds: Sequence[int] = (0, 1, 2), steps: i
     _check_width(m)
     rf_note = None
     if m < rf_need or (draw == "mirrored" and m % 2):
-        rf_note = (f"random features ({draw}) left out: they need an {'even ' if draw == 'mirrored' else ''}"
+        rf_note = (f"random features ({draw}) left out: they need {'an even' if draw == 'mirrored' else 'a'} "
                    f"width m >= {rf_need} at T={T}, got m={m}")
     if not seeds:
         raise UserError("no seeds given; pass --seeds 0 1 2")
