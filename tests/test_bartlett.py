@@ -1,5 +1,6 @@
 """Lemma 4.2 (Bartlett identity) on a tiny tanh MLM whose labels come from the model itself, checked against an
-independent brute-force Fisher; and the noise ablation: from a converged point only SGD flattens."""
+independent brute-force Fisher (and, slow, on the tiny BERT); and the noise ablation: from a converged point only
+SGD flattens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert
 
 from flatlm.flatness import bartlett as bt
 
@@ -77,7 +79,7 @@ def test_bartlett_identity_with_sampled_labels_and_off_the_optimum():
         s = res["sampled"]
         assert s["stderr"] > 0 and abs(s["gap"]) < 3 * s["stderr"] and s["stderr"] < 0.1 * res["fisher"]
     assert abs(exact["true"]["rel_gap"]) > 0.5  # fixed targets: the model is not at their optimum
-    assert abs(off["true"]["rel_gap"]) > 0.05 and off["grad_norm"] > 0.1  # exact traces: far beyond rounding
+    assert abs(off["true"]["rel_gap"]) > 0.2 and off["grad_norm"] > 0.1
 
 
 def test_noise_ablation_only_sgd_flattens_faster_with_lr_over_batch():
@@ -98,3 +100,16 @@ def test_noise_ablation_only_sgd_flattens_faster_with_lr_over_batch():
     for r in (slow, fast_lr, small_b):
         assert r["trace"][0] == tr0 and np.mean(r["trace"][1:]) < 0.8 * tr0
     assert fast_lr["mean_rate"] > slow["mean_rate"] and small_b["mean_rate"] > slow["mean_rate"]
+
+
+@pytest.mark.slow
+def test_bartlett_identity_on_tiny_bert():
+    """The same check on the tiny BERT of the flatness tests (two MLM batches, labels drawn from the model): the
+    label-expected Hessian equals the Fisher to rounding; on sampled labels within 3 standard errors."""
+    with fast_compile(), float64_everywhere():
+        model, params = tiny_bert(seed=1)
+        out = bt.bartlett_check(model.apply, params, [mlm_batch(0), mlm_batch(1)], jax.random.PRNGKey(0),
+                                num_label_draws=16, label_sources=("expected", "sampled"))
+    assert abs(out["expected"]["rel_gap"]) < 1e-9
+    s = out["sampled"]
+    assert s["stderr"] > 0 and abs(s["gap"]) < 3 * s["stderr"]
