@@ -49,3 +49,22 @@ def test_theory_dyck_table_and_user_errors(tmp_path, capsys):
     with pytest.raises(UserError, match="--samples"):
         args = _parse("theory", "dyck", "--T", "16", "--out", str(tmp_path))
         args.func(args)
+
+
+def test_theory_dyck_search_and_label_noise(tmp_path, capsys):
+    """--search and --label-noise write their parts of results.json, the search figure (png and pdf) and tables."""
+    args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--draw", "mirrored", "--seeds", "0", "--steps", "20",
+                  "--penalty", "0", "--probes", "0", "--search", "1", "--search-rounds", "1", "--search-steps", "5",
+                  "--search-n", "2", "8", "--label-noise", "1.0", "--out", str(tmp_path))
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "closed-form minimum 4/(m sqrt T) = 0.125" in table and "Tr(H) label-noise SGD" in table
+    out = json.loads((tmp_path / cli.RESULTS_NAME).read_text())
+    assert len(out["search"]["rows"]) == 1 and set(out["search"]["rows"][0]["downstream"]) == {"2", "8"}
+    assert out["search"]["reference"]["trace_gap"] == pytest.approx(0.0, abs=1e-9)
+    assert (tmp_path / f"{cli.SEARCH_STEM}.pdf").read_bytes()[:4] == b"%PDF"
+    noisy = out["label_noise"]["runs"]["label_noise_sgd"]
+    assert noisy["step"][-1] == 20 and out["label_noise"]["runs"]["sgd"]["distance"][-1] < 1e-9
+    with pytest.raises(UserError, match="--search"):
+        args = _parse("theory", "dyck", "--T", "4", "--search", "-1", "--out", str(tmp_path))
+        args.func(args)

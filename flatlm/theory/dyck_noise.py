@@ -74,3 +74,23 @@ def noise_run(start: Params, pretrain: Batch, cfg: TrainConfig, steps: int, log_
         done += n
         log(done, params)
     return hist
+
+
+def label_noise_check(T: int, m: int, cfg: TrainConfig, steps: int, seed: int = 0, draw: str = "gaussian",
+                      log_every: int = 0, progress=None) -> dict:
+    """From the balanced random-feature solution of `seed` (zero loss, Tr(H) above the minimum): `steps` steps of
+    cfg's SGD with and without cfg.label_noise, from the same start with the same mini-batches. Returns a JSON-ready
+    dict: T, m, label_noise, lr, batch_size, flattest_trace, and `runs` {"sgd": history, "label_noise_sgd":
+    history} (histories as `noise_run`'s). `progress(k)` is called after each logged chunk of k steps."""
+    pretrain = lang.pretrain_population(T)
+    start = th.random_feature_solution(jax.random.fold_in(jax.random.PRNGKey(seed), 1), T, m, pretrain,
+                                       cfg.d_attn, draw=draw)
+    log_every = log_every or max(1, steps // 10)
+    runs = {}
+    for name, noise in (("sgd", 0.0), ("label_noise_sgd", cfg.label_noise)):
+        run_cfg = TrainConfig(lr=cfg.lr, batch_size=cfg.batch_size, label_noise=noise, d_attn=cfg.d_attn)
+        runs[name] = noise_run(start, pretrain, run_cfg, steps, log_every, jax.random.PRNGKey(2000 + seed))
+        if progress is not None:
+            progress(steps)
+    return {"T": T, "m": m, "seed": seed, "draw": draw, "label_noise": cfg.label_noise, "lr": cfg.lr,
+            "batch_size": cfg.batch_size, "steps": steps, "flattest_trace": th.flattest_trace(T, m), "runs": runs}
