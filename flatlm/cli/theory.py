@@ -100,6 +100,9 @@ def _run_dyck(args: argparse.Namespace) -> int:
                                           down_seeds=tuple(args.seeds))
     if args.search < 0:
         raise UserError(f"--search {args.search}: pass the number of random starts (0 skips the search)")
+    if (args.search or args.label_noise > 0) and args.T > dyck.lang.MAX_ENUM_T:
+        raise UserError(f"--search and --label-noise need the enumerated population (T <= {dyck.lang.MAX_ENUM_T}); "
+                        f"pass a smaller --T")
     dyck_search.check_config(search_cfg)
     num_runs = 1 + (args.penalty > 0)
     bar = tqdm(total=num_runs * max(args.steps, 0), desc="theory dyck: training", unit="step", file=sys.stderr,
