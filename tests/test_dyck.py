@@ -64,9 +64,16 @@ def test_user_errors():
     with pytest.raises(UserError, match="--samples"):
         lang.pretrain_population(16)
     with pytest.raises(UserError, match="--m"):
-        th.transferable_solution(6, 3)
-    with pytest.raises(UserError, match="--m"):
-        th.random_feature_solution(jax.random.PRNGKey(0), 6, 12, lang.pretrain_population(6))
+        th.transferable_solution(6, 1)
+    pre6 = lang.pretrain_population(6)
+    with pytest.raises(UserError, match="--m of at least 24"):
+        th.random_feature_solution(jax.random.PRNGKey(0), 6, 12, pre6, draw="mirrored")
+    with pytest.raises(UserError, match="even"):
+        th.random_feature_solution(jax.random.PRNGKey(0), 6, 25, pre6, draw="mirrored")
+    with pytest.raises(UserError, match="--m of at least 132"):
+        th.random_feature_solution(jax.random.PRNGKey(0), 6, 100, pre6)
+    with pytest.raises(UserError, match="draw"):
+        th.random_feature_solution(jax.random.PRNGKey(0), 6, 200, pre6, draw="uniform")
 
 
 def test_enumerated_expectations_match_monte_carlo(pops):
@@ -108,7 +115,8 @@ def test_solutions_fit_pretraining_and_only_the_flattest_transfers(pops, T):
         tr1 = trace(sol1)
         assert tr1 == pytest.approx(th.flattest_trace(T, m), rel=1e-9)
         for seed in range(3):
-            sol2 = th.random_feature_solution(jax.random.PRNGKey(seed), T, m, pre, d_attn=2)
+            sol2 = th.random_feature_solution(jax.random.PRNGKey(seed), T, m, pre, d_attn=2, draw="mirrored",
+                                              balance=False)
             bal2 = th.balance_neurons(sol2, pre)
             assert th.pretrain_loss(sol2, pre) < 1e-10 and th.pretrain_loss(bal2, pre) < 1e-10
             assert tr1 < trace(bal2) <= trace(sol2) * (1 + 1e-9)
@@ -117,6 +125,40 @@ def test_solutions_fit_pretraining_and_only_the_flattest_transfers(pops, T):
             assert th.downstream_loss(sol1, train, down) < 1e-10
             assert th.downstream_loss(sol2, train, down) > 1e-4
         assert th.alignment(sol1) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_transferable_solution_at_any_width(pops, m):
+    """Theorem 6.1 needs only m >= 2: at m = 2, 3, 5 the constructed solution has zero loss and the exact Tr(H)
+    (dense jax.hessian) equals the closed-form minimum 4 / (m sqrt T)."""
+    pre = pops[6][0]
+    with jax.enable_x64():
+        sol = th.transferable_solution(6, m, d_attn=2)
+        assert th.pretrain_loss(sol, pre) < 1e-20
+        assert th.exact_trace(sol, pre, method="hessian") == pytest.approx(4 / (m * math.sqrt(6)), rel=1e-10)
+
+
+def test_gaussian_random_features_the_papers_draw(pops):
+    """The paper's draw V_i ~ N(0, T I): the feature span has rank N/2 + 2T (numerically, with many neurons); at
+    that width the draw interpolates, below it does not; balanced, Tr(H) is above the flattest and downstream
+    transfer is worse than the transferable solution's."""
+    T = 6
+    pre, down = pops[T]
+    need = th.random_feature_min_width(T)
+    xbar = np.asarray(pre["x"]).mean(1)
+    phi = np.maximum(xbar @ np.random.default_rng(0).normal(0, math.sqrt(T), (2 * len(xbar), 2 * T)).T, 0)
+    assert np.linalg.matrix_rank(phi) == need == 132
+    with jax.enable_x64():
+        raw = th.random_feature_solution(jax.random.PRNGKey(0), T, need, pre, d_attn=2, balance=False)
+        bal = th.random_feature_solution(jax.random.PRNGKey(0), T, need, pre, d_attn=2)
+        np.testing.assert_allclose(raw["V"], np.sqrt(T) * np.asarray(jax.random.normal(jax.random.PRNGKey(0),
+                                                                                       (need, 2 * T))))
+        assert th.pretrain_loss(raw, pre) < 1e-12 and th.pretrain_loss(bal, pre) < 1e-12
+        tr_raw, tr_bal = th.gauss_newton_trace(raw, pre), th.gauss_newton_trace(bal, pre)
+        assert th.flattest_trace(T, need) < tr_bal < tr_raw
+        train = lang.downstream_sample(T, 16, 0)
+        assert th.downstream_loss(bal, train, down) > 1e-3
+        assert th.downstream_loss(th.transferable_solution(T, need), train, down) < 1e-10
 
 
 def test_exact_trace_matches_jax_hessian_and_gauss_newton(pops):
@@ -131,7 +173,7 @@ def test_exact_trace_matches_jax_hessian_and_gauss_newton(pops):
         assert th.pretrain_loss(params, pre) > 0.1
         assert th.exact_trace(params, pre) == pytest.approx(ref, rel=1e-10)
         assert th.estimator_trace(params, pre, None, method="exact").mean == pytest.approx(ref, rel=1e-10)
-        sol2 = th.random_feature_solution(jax.random.PRNGKey(1), 4, 16, pre, d_attn=2)
+        sol2 = th.random_feature_solution(jax.random.PRNGKey(1), 4, 16, pre, d_attn=2, draw="mirrored")
         assert th.exact_trace(sol2, pre) == pytest.approx(th.gauss_newton_trace(sol2, pre), rel=1e-9)
 
 
@@ -141,7 +183,7 @@ def test_hutchinson_estimator_matches_exact_trace(pops):
     pre = pops[4][0]
     with jax.enable_x64():
         for params in (model.init_params(jax.random.PRNGKey(5), 4, 16, d_attn=2, qk_std=1.0),
-                       th.random_feature_solution(jax.random.PRNGKey(2), 4, 16, pre, d_attn=2)):
+                       th.random_feature_solution(jax.random.PRNGKey(2), 4, 16, pre, d_attn=2, draw="mirrored")):
             exact = th.exact_trace(params, pre)
             est = th.estimator_trace(params, pre, jax.random.PRNGKey(7), num_probes=64)
             assert est.stderr > 0 and abs(est.mean - exact) < 3 * est.stderr, (exact, est.mean, est.stderr)
@@ -170,7 +212,7 @@ def test_exact_trace_at_T10_for_several_seeds(pops):
         tr1 = th.exact_trace(sol1, pre)
         assert tr1 == pytest.approx(th.flattest_trace(10, 40), rel=1e-9)
         for seed in range(3):
-            sol2 = th.random_feature_solution(jax.random.PRNGKey(seed), 10, 40, pre, d_attn=2)
+            sol2 = th.random_feature_solution(jax.random.PRNGKey(seed), 10, 40, pre, d_attn=2, draw="mirrored")
             tr2 = th.exact_trace(sol2, pre)
             assert tr2 == pytest.approx(th.gauss_newton_trace(sol2, pre), rel=1e-9)
             assert tr1 < tr2

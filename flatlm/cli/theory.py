@@ -4,6 +4,7 @@ the training run. All the work is in `flatlm.theory.dyck.run_check`; the plot in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,10 +15,11 @@ from tqdm.auto import tqdm
 from flatlm.cli.common import add_output_flags
 from flatlm.errors import UserError
 from flatlm.table import json_ready, print_json, print_table
-from flatlm.theory import dyck
-from flatlm.theory.plot import plot_training
+from flatlm.theory import dyck, dyck_noise, dyck_search
+from flatlm.theory.plot import plot_search, plot_training
 
 PLOT_NAME = "dyck_training.png"
+SEARCH_STEM = "dyck_search"  # .png and .pdf
 RESULTS_NAME = "results.json"
 
 COLUMNS = [  # (key, header, format)
@@ -40,7 +42,9 @@ def add_parser(subparsers) -> None:
                        "features), their exact Tr(H) and downstream loss, and SGD runs with and without a Tr(H) "
                        "penalty from a random init.")
     d.add_argument("--T", type=int, default=6, help="string length, even (default 6)")
-    d.add_argument("--m", type=int, default=0, help="width (number of neurons), even and >= 4T (default 4T)")
+    d.add_argument("--m", type=int, default=0,
+                   help="width (number of neurons), >= 2 (Theorem 6.1); random features need more (gaussian: "
+                   "T C(T, T/2) + 2T, 132 at T=6; mirrored: even and >= 4T); default: the random features' minimum")
     d.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                    help="seeds for random features and downstream samples (default 0 1 2; training uses the first)")
     d.add_argument("--steps", type=int, default=3000, help="SGD steps per training run; 0 skips training")
@@ -55,8 +59,23 @@ def add_parser(subparsers) -> None:
     d.add_argument("--d-attn", type=int, default=0, help="rows of Q and K (default 2T)")
     d.add_argument("--probes", type=int, default=32,
                    help="Hutchinson probes per trace estimate (shared flatness estimator); 0 skips it")
-    d.add_argument("--balance", action="store_true",
-                   help="rescale each random-feature neuron to its own Tr(H) minimum (same function)")
+    d.add_argument("--draw", default="gaussian", choices=list(dyck.RF_DRAWS),
+                   help="random features: gaussian (default, the paper's V_i ~ N(0, T I)) or mirrored ([W; -W])")
+    d.add_argument("--no-balance", dest="balance", action="store_false",
+                   help="keep the min-norm head as fitted instead of rescaling each random-feature neuron to its "
+                   "own Tr(H) minimum (same function; unbalanced overstates the random features' Tr(H))")
+    d.add_argument("--search", type=int, default=0, metavar="STARTS",
+                   help="also minimise Tr(H) subject to zero pre-training loss from STARTS random inits (width --m; "
+                   "Theorem 6.1's search) and report each solution's Tr(H) against 4/(m sqrt T) and its downstream "
+                   "loss; 0 (default) skips it")
+    d.add_argument("--search-n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="downstream sample sizes for the search's solutions (default 1 2 4 8 16 32)")
+    d.add_argument("--search-rounds", type=int, default=12, help="augmented-Lagrangian rounds per start")
+    d.add_argument("--search-steps", type=int, default=300, help="L-BFGS steps per round")
+    d.add_argument("--label-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="also run SGD with and without N(0, SIGMA^2) label noise for --steps steps from the "
+                   "balanced random-feature solution (zero loss) and report Tr(H) at the zero-loss projection: "
+                   "Section 4's mechanism, which the deterministic Dyck target cannot show (0 skips it)")
     d.add_argument("--float32", action="store_true", help="compute in float32 (default float64)")
     d.add_argument("--out", default="theory_dyck", help="directory for the PNG plot and results.json")
     add_output_flags(d, quiet=False)
@@ -76,6 +95,15 @@ def _run_dyck(args: argparse.Namespace) -> int:
                            log_every=max(1, min(100, args.steps // 20 or 1)))
     if args.probes == 1 or args.probes < 0:
         raise UserError(f"--probes {args.probes}: pass 0 (no Hutchinson estimate) or >= 2 (for a standard error)")
+    search_cfg = dyck_search.SearchConfig(starts=max(args.search, 1), d_attn=args.d_attn, rounds=args.search_rounds,
+                                          inner_steps=args.search_steps, ns=tuple(args.search_n),
+                                          down_seeds=tuple(args.seeds))
+    if args.search < 0:
+        raise UserError(f"--search {args.search}: pass the number of random starts (0 skips the search)")
+    if (args.search or args.label_noise > 0) and args.T > dyck.lang.MAX_ENUM_T:
+        raise UserError(f"--search and --label-noise need the enumerated population (T <= {dyck.lang.MAX_ENUM_T}); "
+                        f"pass a smaller --T")
+    dyck_search.check_config(search_cfg)
     num_runs = 1 + (args.penalty > 0)
     bar = tqdm(total=num_runs * max(args.steps, 0), desc="theory dyck: training", unit="step", file=sys.stderr,
                disable=args.steps <= 0)
@@ -83,7 +111,10 @@ def _run_dyck(args: argparse.Namespace) -> int:
         with jax.enable_x64(not args.float32):
             results = dyck.run_check(T=args.T, m=args.m, seeds=args.seeds, steps=args.steps,
                                      n_downstream=args.n_downstream, samples=args.samples, train_cfg=cfg,
-                                     num_probes=args.probes, balance=args.balance, progress=bar.update)
+                                     num_probes=args.probes, balance=args.balance, draw=args.draw,
+                                     progress=bar.update)
+            results["search"] = _search(args, results["m"], search_cfg) if args.search else None
+            results["label_noise"] = _label_noise(args, results, cfg) if args.label_noise > 0 else None
     except FloatingPointError as e:
         raise UserError(f"{e} (pass a smaller --lr)") from None
     finally:
@@ -93,6 +124,8 @@ def _run_dyck(args: argparse.Namespace) -> int:
         row["trace_hutchinson_str"] = f"{h['mean']:.4g} ± {h['stderr']:.2g}" if h else None
     os.makedirs(args.out, exist_ok=True)
     results["plot"] = plot_training(results, os.path.join(args.out, PLOT_NAME)) if results["training"] else None
+    if results["search"]:
+        results["search"]["plots"] = plot_search(results["search"], os.path.join(args.out, SEARCH_STEM))
     results = json_ready(results)
     with open(os.path.join(args.out, RESULTS_NAME), "w") as f:
         json.dump(results, f, indent=1)
@@ -104,6 +137,60 @@ def _run_dyck(args: argparse.Namespace) -> int:
               f"{results['n_downstream']} samples. Flattest possible Tr(H) = 4/(m sqrt T) = "
               f"{results['flattest_trace']:.4g}")
         print_table(results["solutions"], COLUMNS)
+        if results["random_features_note"]:
+            print(results["random_features_note"])
+        if results["search"]:
+            _print_search(results["search"])
+        if results["label_noise"]:
+            _print_label_noise(results["label_noise"])
         print(f"wrote {os.path.join(args.out, RESULTS_NAME)}"
               + (f" and {results['plot']}" if results["plot"] else ""), file=sys.stderr)
     return 0
+
+
+def _search(args: argparse.Namespace, m: int, cfg) -> dict:
+    """The Tr(H)-minimisation search at width m, with its own progress bar (one tick per start)."""
+    with tqdm(total=cfg.starts, desc="theory dyck: search", unit="start", file=sys.stderr) as bar:
+        return dyck_search.search(args.T, m, cfg, seed=args.seeds[0], progress=bar.update)
+
+
+def _print_search(search: dict) -> None:
+    ns = [str(n) for n in search["config"]["ns"]]
+    rows = [{**r, **{f"down_{n}": r["downstream_mean"][n] for n in ns}} for r in search["rows"]]
+    if search["reference"]:
+        rows.append({"start": "transferable", **search["reference"],
+                     **{f"down_{n}": search["reference"]["downstream_mean"][n] for n in ns}})
+    cols = [("start", "start", ""), ("pretrain_loss", "pre-train loss", ".1e"), ("trace", "Tr(H)", ".6g"),
+            ("trace_gap", "Tr(H)/min - 1", ".1e"), ("alignment", "|cos(v, 1_T)|", ".3f"),
+            ("attention_spread", "max|a - 1/T|", ".1e")] + [(f"down_{n}", f"down n={n}", ".2e") for n in ns]
+    print(f"\nSearch: minimise Tr(H) s.t. zero pre-training loss, {len(search['rows'])} starts, width "
+          f"m={search['m']}; downstream loss = mean over {len(search['config']['down_seeds'])} seeds")
+    print_table(rows, cols)
+    found = "none zero-loss" if search["min_trace"] is None else \
+        f"{search['min_trace']:.10g} (gap {search['min_gap']:.1e})"
+    print(f"min Tr(H) found: {found}; closed-form minimum 4/(m sqrt T) = {search['bound']:.10g}; "
+          f"{search['n_feasible']} of {len(search['rows'])} starts reached zero loss, {search['n_at_bound']} the "
+          f"minimum (gap <= 1e-3)")
+
+
+def _label_noise(args: argparse.Namespace, results: dict, cfg) -> dict:
+    """SGD with and without label noise from the random-feature solution (needs the random features' width)."""
+    if results["random_features_note"]:
+        raise UserError(f"--label-noise starts from the random-feature solution: {results['random_features_note']}; "
+                        f"pass a larger --m or drop --label-noise")
+    if args.steps <= 0:
+        raise UserError("--label-noise needs --steps > 0")
+    noisy = dataclasses.replace(cfg, label_noise=args.label_noise)
+    with tqdm(total=2 * args.steps, desc="theory dyck: label noise", unit="step", file=sys.stderr) as bar:
+        return dyck_noise.label_noise_check(args.T, results["m"], noisy, args.steps, seed=args.seeds[0],
+                                            draw=args.draw, progress=bar.update)
+
+
+def _print_label_noise(res: dict) -> None:
+    sgd, noisy = res["runs"]["sgd"], res["runs"]["label_noise_sgd"]
+    rows = [{"step": s, "sgd": a, "noisy": b, "loss": c} for s, a, b, c in
+            zip(sgd["step"], sgd["trace_projected"], noisy["trace_projected"], noisy["loss"])]
+    print(f"\nLabel noise (sigma={res['label_noise']:g}, lr={res['lr']:g}, batch {res['batch_size']}) from the "
+          f"random-feature solution; Tr(H) at the zero-loss projection (minimum {res['flattest_trace']:.4g})")
+    print_table(rows, [("step", "step", "d"), ("sgd", "Tr(H) plain SGD", ".5g"),
+                       ("noisy", "Tr(H) label-noise SGD", ".5g"), ("loss", "loss at noisy iterate", ".2e")])

@@ -3,16 +3,16 @@ masked Dyck task, the flattest one (smallest Tr of the Hessian w.r.t. psi = (Q, 
 transferable feature and solves the downstream task from few samples; random-feature solutions fit pre-training
 equally well but transfer worse.
 
-Two constructed zero-loss solutions, width m (even), Q = K = 0 (uniform attention, a_1j = 1/T):
-- transferable: half the neurons v = +c [1_T; 0_T], half v = -c [1_T; 0_T], u = -+2T/c. On pre-training inputs
-  xbar = (1/T)(sum_{j != t} s_j e_j + sigma e_{t+T}), so 1_T . xbar = -y/T and f = y exactly. The scale
-  c = sqrt(2) T^(3/4) minimises Tr(H) over the rescalings (V, u) -> (cV, u/c), giving Tr(H) = 4 / (m sqrt(T)), which
-  is the lower bound 2 E||grad f||^2 >= 4 E[|y| ||xbar||] / m >= 4 / (m sqrt(T)) (AM-GM per neuron; ||xbar||^2 >= 1/T
-  for any attention), so this solution is the flattest zero-loss solution.
-- random features: V = [W; -W], W ~ N(0, v_std^2) [m/2, 2T] (v_std = sqrt(T) by default, so pre-activations are
-  O(1)), u the minimum-norm interpolant of the pre-training population. The +-pairs make the (linear) target
-  representable; m >= 4T makes it representable for almost every W. `balance=True` rescales each neuron
-  (v_i, u_i) -> (c_i v_i, u_i / c_i) to its own trace minimum, which leaves f unchanged.
+Two constructed zero-loss solutions, width m, Q = K = 0 (uniform attention, a_1j = 1/T):
+- transferable (any m >= 2, Theorem 6.1's condition): neurons +-c [1_T; 0_T] with u = -+c/sqrt(T). On pre-training
+  inputs xbar = (1/T)(sum_{j != t} s_j e_j + sigma e_{t+T}), so 1_T . xbar = -y/T and f = y exactly. The scales
+  satisfy Lemma D.1's AM-GM equality, giving Tr(H) = 4 / (m sqrt(T)), the lower bound
+  2 E||grad f||^2 >= 4 E[|y| ||xbar||] / m >= 4 / (m sqrt(T)) (AM-GM per neuron; ||xbar||^2 >= 1/T for any
+  attention), so this solution is the flattest zero-loss solution. (`flatlm.theory.dyck_search` searches for it.)
+- random features: the paper's draw V_i ~ N(0, T I_2T) ("gaussian", default; needs m >= N/2 + 2T to interpolate)
+  or mirrored pairs V = [W; -W] ("mirrored"; m >= 4T), u the minimum-norm interpolant of the pre-training
+  population, and by default each neuron rescaled (v_i, u_i) -> (c_i v_i, u_i / c_i) to its own trace minimum
+  (same f). See `random_feature_solution`. m >= 4T is a random-feature condition only.
 Downstream step: keep psi, fit the minimum-norm head u on n downstream samples, report the population squared error
 against g* (exact by enumeration for T <= MAX_ENUM_T). The SGD steps and the Tr(H) penalty of `train` are in
 `flatlm.theory.dyck_train`.
@@ -21,7 +21,6 @@ against g* (exact by enumeration for T <= MAX_ENUM_T). The SGD steps and the Tr(
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,112 +28,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from flatlm.errors import UserError
-from flatlm.flatness import hessian
 from flatlm.languages import dyck as lang
 from flatlm.models import dyck as model
-from flatlm.theory.dyck_train import TrainConfig, check_penalty_method, gauss_newton, run_steps
+from flatlm.theory.dyck_trace import (  # noqa: F401  (re-exported: the check's public surface)
+    EXACT_TRACE_BUDGET,
+    _features_jit,
+    _xyw,
+    estimator_trace,
+    exact_affordable,
+    exact_trace,
+    flattest_trace,
+    gauss_newton_trace,
+    pretrain_loss,
+)
+from flatlm.theory.dyck_train import TrainConfig, check_penalty_method, run_steps
 
 Params = model.Params
 Batch = lang.Batch
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Trace of the Hessian: an exact trace of our own (independent of flatlm.flatness), and the shared estimators.
-
-
-@functools.partial(jax.jit, static_argnames=("chunk",))
-def _exact_trace_hvp(params: Params, batch: Batch, chunk: int = 64) -> jax.Array:
-    """sum_i e_i^T H e_i: `chunk` basis vectors at a time (vmapped HVPs), the chunks scanned."""
-    flat, unravel = ravel_pytree(params)
-    grad_fn = jax.grad(model.flat_loss(unravel, batch))
-    P = flat.shape[0]
-    num_chunks = -(-P // chunk)
-    idx_CK = jnp.arange(num_chunks * chunk).reshape(num_chunks, chunk)
-
-    def diag_entry(i):
-        e_P = (jnp.arange(P) == i).astype(flat.dtype)  # all zeros for the padding indices i >= P
-        return jax.jvp(grad_fn, (flat,), (e_P,))[1] @ e_P
-
-    return jnp.sum(jax.lax.map(jax.vmap(diag_entry), idx_CK))
-
-
-@jax.jit
-def _exact_trace_dense(params: Params, batch: Batch) -> jax.Array:
-    flat, unravel = ravel_pytree(params)
-    return jnp.trace(jax.hessian(model.flat_loss(unravel, batch))(flat))
-
-
-def _xyw(batch: Batch) -> Batch:
-    """The arrays the loss reads (so jit caches on them alone)."""
-    return {k: jnp.asarray(batch[k]) for k in ("x", "y", "w")}
-
-
-def exact_trace(params: Params, batch: Batch, method: str = "hvp") -> float:
-    """Exact Tr of the Hessian of the loss on `batch` w.r.t. all of (Q, K, V, u).
-
-    method "hvp": sum of e_i^T H e_i over the P basis vectors, in chunks (memory: 64 copies of the activations);
-    "hessian": trace of the dense jax.hessian (memory: P copies; tiny models only)."""
-    if method == "hessian":
-        return float(_exact_trace_dense(params, _xyw(batch)))
-    return float(_exact_trace_hvp(params, _xyw(batch)))
-
-
-EXACT_TRACE_BUDGET = 3e8  # P * rows * T * 2T: about 10 s of HVPs on one CPU core (T <= 8 at the default widths)
-
-
-def exact_affordable(params: Params, batch: Batch) -> bool:
-    """Whether `exact_trace` is cheap enough here: P HVPs, each over the whole batch."""
-    num_params = ravel_pytree(params)[0].shape[0]
-    return num_params * int(np.prod(np.shape(batch["x"]))) <= EXACT_TRACE_BUDGET
-
-
-def estimator_trace(params: Params, batch: Batch, key: jax.Array, num_probes: int = 64,
-                    method: str = "hutchinson"):
-    """Tr(H) from the shared flatness estimators (`flatlm.flatness.hessian`): a TraceEstimate (.mean, .stderr).
-
-    method "hutchinson" (Rademacher probes) or "exact" (its jax.hessian path, stderr 0)."""
-    b = _xyw(batch)
-    if method == "exact":
-        return hessian.exact_trace(model.loss, params, batches=[b])
-    return hessian.hutchinson_trace(model.loss, params, key, num_probes, batches=[b],
-                                    chunk_size=min(16, num_probes))
-
-
-def pretrain_loss(params: Params, batch: Batch) -> float:
-    """The (population, for an enumerated batch) squared loss, jitted."""
-    return float(_loss_jit(params, _xyw(batch)))
-
-
-_loss_jit = jax.jit(model.loss)
-_features_jit = jax.jit(model.features)
-
-
-@jax.jit
-def _gauss_newton_jit(params: Params, batch: Batch) -> jax.Array:
-    return gauss_newton(params, batch)
-
-
-def gauss_newton_trace(params: Params, batch: Batch) -> float:
-    """2 sum_b w_b ||grad_theta f(x_b)||^2: equals Tr(H) at a zero-loss point (the residual term vanishes)."""
-    return float(_gauss_newton_jit(params, _xyw(batch)))
-
-
-def flattest_trace(T: int, m: int) -> float:
-    """The smallest Tr(H) of any zero-loss solution of width m: 4 / (m sqrt(T)) (attained by the transferable one;
-    the lower bound of the module docstring, cf. Lemma D.1 in Appendix D.1)."""
-    return 4.0 / (m * math.sqrt(T))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The two constructed solutions.
 
 
-def _check_width(T: int, m: int, need: int = 2) -> None:
-    if m < need or m % 2:
-        raise UserError(f"width m={m} must be even and >= {need}; pass an even --m of at least {need}")
+def _check_width(m: int, need: int = 2, even: bool = False, what: str = "") -> None:
+    if m < need or (even and m % 2):
+        parity = "even and " if even else ""
+        raise UserError(f"width m={m} must be {parity}>= {need}{what}; pass {parity.replace('and ', '')}--m of at "
+                        f"least {need}")
 
 
 def _zeros_qk(T: int, d_attn: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -143,16 +66,18 @@ def _zeros_qk(T: int, d_attn: int, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def transferable_solution(T: int, m: int, d_attn: int = 0, dtype=None) -> Params:
-    """Solution (1) of Section 6: uniform attention, neurons +-c [1_T; 0_T] with c = sqrt(2) T^(3/4), u = -+2T/c
-    (zero loss; the flattest zero-loss solution, Theorem 6.1)."""
+    """Solution (1) of Section 6 at any width m >= 2 (Theorem 6.1's condition): uniform attention, k+ = m - m//2
+    neurons +c+ [1_T; 0_T] with u = -c+/sqrt(T) and k- = m//2 neurons -c- [1_T; 0_T] with u = +c-/sqrt(T),
+    c+- = sqrt(m / k+-) T^(3/4) (the AM-GM equality |u_i| ||xbar|| = v_i.xbar of Lemma D.1; c = sqrt(2) T^(3/4)
+    for even m). Zero loss and Tr(H) = 4 / (m sqrt(T)): the flattest zero-loss solution."""
     lang.check_length(T)
-    _check_width(T, m)
+    _check_width(m)
     dtype = dtype or jnp.zeros(()).dtype
-    c = math.sqrt(2.0) * T**0.75
-    half = m // 2
+    k_pos, k_neg = m - m // 2, m // 2
+    c_pos, c_neg = math.sqrt(m / k_pos) * T**0.75, math.sqrt(m / k_neg) * T**0.75
     dir_2T = np.concatenate([np.ones(T), np.zeros(T)])
-    V = np.concatenate([np.tile(c * dir_2T, (half, 1)), np.tile(-c * dir_2T, (half, 1))])
-    u = np.concatenate([np.full(half, -2.0 * T / c), np.full(half, 2.0 * T / c)])
+    V = np.concatenate([np.tile(c_pos * dir_2T, (k_pos, 1)), np.tile(-c_neg * dir_2T, (k_neg, 1))])
+    u = np.concatenate([np.full(k_pos, -c_pos / math.sqrt(T)), np.full(k_neg, c_neg / math.sqrt(T))])
     Q, K = _zeros_qk(T, d_attn, dtype)
     return {"Q": Q, "K": K, "V": jnp.asarray(V, dtype), "u": jnp.asarray(u, dtype)}
 
@@ -182,22 +107,54 @@ def balance_neurons(params: Params, batch: Batch) -> Params:
     return {**params, "V": jnp.asarray(V * c[:, None], dtype), "u": jnp.asarray(u / c, dtype)}
 
 
+RF_DRAWS = ("gaussian", "mirrored")
+
+
+def random_feature_min_width(T: int, draw: str = "gaussian") -> int:
+    """The smallest width at which random features of `draw` fit the enumerated pre-training population exactly
+    (for almost every draw, at uniform attention).
+
+    "gaussian": relu(z) = (z + |z|) / 2, so relu features span the 2T linear functions plus one even function per
+    +-pair of the N = 2 T C(T, T/2) pre-training inputs (xbar and -xbar are both inputs): rank N/2 + 2T (132 at
+    T = 6; checked against the numerical rank in the tests), and a generic draw of that many neurons spans it.
+    "mirrored": relu(w.x) - relu(-w.x) = w.x, so m/2 >= 2T pairs represent the linear target: m >= 4T."""
+    check_draw(draw)
+    return 4 * T if draw == "mirrored" else T * math.comb(T, T // 2) + 2 * T
+
+
+def check_draw(draw: str) -> None:
+    """Raise UserError unless `draw` is one of RF_DRAWS."""
+    if draw not in RF_DRAWS:
+        raise UserError(f"random-feature draw {draw!r} is unknown; use one of {', '.join(RF_DRAWS)}")
+
+
 def random_feature_solution(key: jax.Array, T: int, m: int, pretrain: Batch, d_attn: int = 0,
-                            v_std: float | None = None, balance: bool = False, dtype=None) -> Params:
-    """Solution (2) of Section 6: uniform attention, V = [W; -W] with W ~ N(0, v_std^2), u the min-norm interpolant
-    of `pretrain` (random features fit pre-training: Theorem D.6, Appendix D.2)."""
+                            v_std: float | None = None, balance: bool = True, draw: str = "gaussian",
+                            dtype=None) -> Params:
+    """Solution (2) of Section 6: uniform attention (Q = K = 0), random V, u the min-norm interpolant of `pretrain`.
+
+    draw "gaussian" (default, the paper's: rows V_i ~ N(0, v_std^2 I), v_std = sqrt(T), i.e. N(0, T I_2T) of
+    Section 6 and Theorem D.6) needs m >= `random_feature_min_width` (N/2 + 2T) to interpolate exactly;
+    "mirrored" (V = [W; -W], W ~ N(0, v_std^2): the +-pairs make the linear target representable) needs an even
+    m >= 4T. Either way a width below the need raises UserError naming it.
+    balance (default True) rescales each neuron (v_i, u_i) -> (c_i v_i, u_i / c_i) to its own Tr(H) minimum: the
+    same function, so the same pre-training and downstream losses, but without it a min-norm u (which ignores
+    the V side of the trace) makes the table overstate the random features' Tr(H)."""
     lang.check_length(T)
-    _check_width(T, m, need=4 * T)
+    need = random_feature_min_width(T, draw)
+    _check_width(m, need, even=draw == "mirrored", what=f" for {draw} random features at T={T}")
     dtype = dtype or jnp.zeros(()).dtype
     v_std = math.sqrt(T) if v_std is None else v_std
-    W = v_std * np.asarray(jax.random.normal(key, (m // 2, 2 * T)), np.float64)
+    rows = m // 2 if draw == "mirrored" else m
+    W = v_std * np.asarray(jax.random.normal(key, (rows, 2 * T)), np.float64)
+    V = np.concatenate([W, -W]) if draw == "mirrored" else W
     Q, K = _zeros_qk(T, d_attn, dtype)
-    params = {"Q": Q, "K": K, "V": jnp.asarray(np.concatenate([W, -W]), dtype), "u": jnp.zeros((m,), dtype)}
+    params = {"Q": Q, "K": K, "V": jnp.asarray(V, dtype), "u": jnp.zeros((m,), dtype)}
     params["u"] = jnp.asarray(fit_head(params, pretrain), dtype)
     residual = pretrain_loss(params, pretrain)
     if residual > 1e-6 * max(1.0, float(np.mean(np.asarray(pretrain["y"]) ** 2))):
-        raise UserError(f"random features of width m={m} do not fit pre-training (loss {residual:.2e}); "
-                        f"pass a larger --m (at least {4 * T})")
+        raise UserError(f"{draw} random features of width m={m} do not fit pre-training (loss {residual:.2e}); "
+                        f"pass a larger --m (at least {need} fits the enumerated population)")
     return balance_neurons(params, pretrain) if balance else params
 
 
@@ -299,16 +256,25 @@ def populations(T: int, samples: int = 0, seed: int = 0) -> tuple[Batch, Batch, 
 
 
 def run_check(T: int = 6, m: int = 0, seeds: Sequence[int] = (0, 1, 2), steps: int = 3000, n_downstream: int = 16,
-              samples: int = 0, train_cfg: TrainConfig | None = None, num_probes: int = 64, balance: bool = False,
-              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """The whole check: both constructed solutions for every seed, then (steps > 0) an SGD run and an SGD + Tr(H)
-    penalty run (penalty = train_cfg.penalty, skipped if 0) from the same random init of the first seed.
+              samples: int = 0, train_cfg: TrainConfig | None = None, num_probes: int = 64, balance: bool = True,
+              draw: str = "gaussian", progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """The whole check: the transferable solution and (where the width allows) random features of `draw` for
+    every seed, then (steps > 0) an SGD run and an SGD + Tr(H) penalty run (penalty = train_cfg.penalty, skipped
+    if 0) from the same random init of the first seed.
 
-    m = 0 means 4T (the smallest width at which random features fit for almost every draw). Returns a JSON-ready
-    dict: the settings, `solutions` (one row per solution and seed, see `evaluate`) and `training` histories."""
-    m = m or 4 * T
+    Any m >= 2 is allowed (Theorem 6.1 needs only m >= 2); m = 0 means `random_feature_min_width(T, draw)` (the
+    smallest width at which the random features fit; 132 at T = 6 for the default gaussian draw, 4T for mirrored).
+    Below that width the random-feature rows are left out and `random_features_note` says why. Returns a
+    JSON-ready dict: the settings, `solutions` (one row per solution and seed, see `evaluate`) and `training`."""
+    check_draw(draw)
+    rf_need = random_feature_min_width(T, draw) if T >= 2 and T % 2 == 0 else 2
+    m = m or rf_need + (draw == "mirrored" and rf_need % 2)
     lang.check_length(T, enumerate_=samples <= 0)
-    _check_width(T, m, need=4 * T)
+    _check_width(m)
+    rf_note = None
+    if m < rf_need or (draw == "mirrored" and m % 2):
+        rf_note = (f"random features ({draw}) left out: they need {'an even' if draw == 'mirrored' else 'a'} "
+                   f"width m >= {rf_need} at T={T}, got m={m}")
     if not seeds:
         raise UserError("no seeds given; pass --seeds 0 1 2")
     if n_downstream < 1:
@@ -333,9 +299,11 @@ def run_check(T: int = 6, m: int = 0, seeds: Sequence[int] = (0, 1, 2), steps: i
         # The transferable solution does not depend on the seed; only its downstream samples do.
         down = float(np.mean([downstream_loss(sol1, tr, down_test) for tr in down_train[s]]))
         rows.append({"solution": "transferable", "seed": s, **sol1_eval, "downstream_loss": down})
-        sol2 = random_feature_solution(jax.random.fold_in(key, 1), T, m, pretrain, cfg.d_attn, balance=balance)
-        rows.append({"solution": "random_features", "seed": s,
-                     **evaluate(sol2, pretrain, down_train[s], down_test, key, num_probes, exact)})
+        if rf_note is None:
+            sol2 = random_feature_solution(jax.random.fold_in(key, 1), T, m, pretrain, cfg.d_attn, balance=balance,
+                                           draw=draw)
+            rows.append({"solution": "random_features", "seed": s,
+                         **evaluate(sol2, pretrain, down_train[s], down_test, key, num_probes, exact)})
     training = {}
     runs = [("sgd", 0.0)] + ([("sgd_trace_penalty", cfg.penalty)] if cfg.penalty > 0 else [])
     for name, pen in runs if steps > 0 else []:
@@ -348,7 +316,8 @@ def run_check(T: int = 6, m: int = 0, seeds: Sequence[int] = (0, 1, 2), steps: i
                                 exact)})
     return {
         "T": T, "m": m, "d_attn": d, "seeds": list(seeds), "steps": steps, "n_downstream": n_downstream,
-        "enumerated": enumerated, "samples": samples, "balance": balance, "num_params": num_params,
+        "enumerated": enumerated, "samples": samples, "balance": balance, "draw": draw,
+        "random_features_note": rf_note, "num_params": num_params,
         "flattest_trace": flattest_trace(T, m), "train_config": dataclasses.asdict(cfg), "solutions": rows,
         "training": training,
     }

@@ -1,5 +1,5 @@
-"""SGD for the Section 6 check, optionally with an explicit Tr(H) penalty: `TrainConfig`, the penalised
-objective and the jitted scan of steps (`run_steps`). `flatlm.theory.dyck.train` runs these steps from a
+"""SGD for the Section 6 check, optionally with an explicit Tr(H) penalty or label noise: `TrainConfig`, the
+penalised objective and the jitted scan of steps (`run_steps`). `flatlm.theory.dyck.train` runs these steps from a
 Gaussian init and logs the population quantities between them.
 
 The default penalty is the Gauss-Newton part 2 E||grad f||^2 of Tr(H), which equals Tr(H) on the zero-loss
@@ -32,7 +32,12 @@ class TrainConfig:
     (the 1/m output scaling makes raw gradients O(1/m)). penalty > 0 adds penalty * Tr(H) of the mini-batch loss:
     "gauss_newton" (default) its PSD part 2 E||grad f||^2, equal to Tr(H) on the zero-loss set and bounded below
     (the full Tr(H) is indefinite away from minima, so penalising it can run off to negative curvature);
-    "hutchinson" the full Tr(H) with `penalty_probes` Rademacher probes; "exact" the full Tr(H) (tiny models)."""
+    "hutchinson" the full Tr(H) with `penalty_probes` Rademacher probes; "exact" the full Tr(H) (tiny models).
+    batch_size 0 means full-batch GD on the whole (weighted) population. label_noise > 0 is label-noise SGD: every
+    step adds fresh N(0, label_noise^2) noise to the mini-batch's labels, i.e. SGD with fresh samples of the
+    noisy-label Dyck task y + eps, whose minimisers are still f = E[y | x] = g* (the clean zero-loss set) but whose
+    loss there is label_noise^2 > 0, so the gradient noise does not vanish at the optimum (Section 4's mechanism;
+    its covariance, 4 label_noise^2 E[grad f grad f^T] / B, is proportional to Tr(H)'s matrix there)."""
 
     steps: int = 3000
     lr: float = 0.02
@@ -45,6 +50,7 @@ class TrainConfig:
     v_std: float = 1.0
     u_std: float = 1.0
     qk_std: float = 0.1
+    label_noise: float = 0.0
 
 
 def check_penalty_method(method: str) -> None:
@@ -80,13 +86,19 @@ def _objective(params, mb, key, cfg: TrainConfig):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def run_steps(params: Params, keys: jax.Array, data: Batch, cfg: TrainConfig) -> Params:
-    """len(keys) SGD steps on mini-batches drawn uniformly (with replacement) from `data`, in one dispatch."""
+    """len(keys) SGD steps on mini-batches drawn uniformly (with replacement) from `data` (the whole weighted
+    population when cfg.batch_size is 0: full-batch GD), labels noised when cfg.label_noise > 0; one dispatch."""
     n_all, m, bs = data["x"].shape[0], params["u"].shape[0], cfg.batch_size
 
     def step(params, key):
-        k_idx, k_pen = jax.random.split(key)
-        idx = jax.random.randint(k_idx, (bs,), 0, n_all)
-        mb = {"x": data["x"][idx], "y": data["y"][idx], "w": jnp.full((bs,), 1.0 / bs, data["x"].dtype)}
+        k_idx, k_pen, k_noise = jax.random.split(key, 3)
+        if bs == 0:
+            mb = {"x": data["x"], "y": data["y"], "w": data["w"]}
+        else:
+            idx = jax.random.randint(k_idx, (bs,), 0, n_all)
+            mb = {"x": data["x"][idx], "y": data["y"][idx], "w": jnp.full((bs,), 1.0 / bs, data["x"].dtype)}
+        if cfg.label_noise > 0:
+            mb["y"] = mb["y"] + cfg.label_noise * jax.random.normal(k_noise, mb["y"].shape, mb["y"].dtype)
         grads = jax.grad(_objective)(params, mb, k_pen, cfg)
         return jax.tree.map(lambda p, g: p - cfg.lr * m * g, params, grads), None
 
