@@ -248,8 +248,12 @@ class Run:
                                     definition=c.eval.task_definition, quiet=quiet)
 
 
-def build_run(config, workdir: str, quiet: bool = False) -> Run:
-    """Validate the config, then build its language, data, model, mesh and parameter shardings."""
+def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False) -> Run:
+    """Validate the config, then build its language, data, model, mesh and parameter shardings. `fit_mesh`: a
+    mesh that does not fit the devices there are is shrunk to one that does (`flatlm.sharding.fit_mesh`; for
+    evaluators, which may run on fewer devices than training had)."""
+    if fit_mesh:
+        config = sharding.fit_mesh(config, jax.device_count())
     validate(config, jax.device_count())
     language = languages.make_language(config.language)
     task_names(config, language)  # eval.tasks must name tasks of this language
@@ -265,5 +269,7 @@ def build_run(config, workdir: str, quiet: bool = False) -> Run:
 
 
 def load_run(workdir: str, quiet: bool = True) -> Run:
-    """The Run of an existing workdir, from its config.json (for evaluators, flatness and the CLI)."""
-    return build_run(config_lib.load_workdir_config(workdir), workdir, quiet=quiet)
+    """The Run of an existing workdir, from its config.json (for evaluators, flatness and the CLI), on the devices
+    there are: its mesh is fitted to them (`flatlm.sharding.fit_mesh`), so a run trained on 8 devices (or 2
+    processes) is evaluated on 1 as well."""
+    return build_run(config_lib.load_workdir_config(workdir), workdir, quiet=quiet, fit_mesh=True)

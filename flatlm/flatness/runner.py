@@ -32,7 +32,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     function (paper Figure 5, B.4), so sizes compare. Step s uses the key `seed + s`. Appending holds the
     workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
-    with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap):
+    with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
         model = run.model
         if grow_to is not None:
             model = Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1]))
