@@ -105,6 +105,20 @@ def coordinator_settings(mesh=None) -> tuple[str, int, int] | None:
     return address, count, index
 
 
+def _stdout_for_results_only() -> None:
+    """Native code (gloo: "[Gloo] Rank 0 is connected to 7 peer ranks...") writes on file descriptor 1: point it at
+    stderr, and `sys.stdout` at a copy of the original stdout, so stdout keeps only what flatlm prints (--json)."""
+    if sys.stdout is not sys.__stdout__:  # captured or replaced (pytest, a notebook): leave it
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return
+    sys.stdout.flush()
+    sys.stdout = os.fdopen(os.dup(fd), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), fd)
+
+
 def initialize_distributed(config=None, required: bool = True) -> None:
     """Join the run's processes (`jax.distributed.initialize`) once, before JAX is used: with the coordinator
     settings (`coordinator_settings`) when given, else by JAX's detection (TPU pod, SLURM, ...) when
@@ -119,6 +133,7 @@ def initialize_distributed(config=None, required: bool = True) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; GPU/TPU ignore it
     if settings is not None:
         address, count, index = settings
+        _stdout_for_results_only()
         jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
         return
     try:
