@@ -7,6 +7,11 @@ restores only the parameters of a checkpoint.
 
 `validate(config, num_devices)` is the one place a config is checked before anything runs: each section is
 validated by the layer that owns it, then the checks that span sections.
+
+Multi-host: `initialize_distributed` joins the processes of a run (a TPU pod or cluster JAX detects, or the
+coordinator settings `mesh.coordinator_address` / `num_processes` / `process_id` or JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, as launch/local_multihost.sh sets them). Every process then builds the same
+Run; `load_run` fits the mesh to the devices there are, so evaluators run on fewer devices than training had.
 """
 
 from __future__ import annotations

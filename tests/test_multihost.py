@@ -166,6 +166,16 @@ def test_incomplete_or_inconsistent_coordinator_settings_are_one_line(monkeypatc
     assert not (tmp_path / "w").exists()
 
 
+def test_multihost_without_a_cluster_or_coordinator_settings_is_one_line(tmp_path):
+    env = {k: "" for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    proc = run_cli("train", "--config", TINY, "--workdir", str(tmp_path / "w"), "--config.mesh.multihost=True", env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mesh.multihost=True but JAX detected no TPU pod or cluster" in lines[0], lines
+    assert "mesh.coordinator_address, mesh.num_processes and mesh.process_id" in lines[0]
+    assert not (tmp_path / "w").exists()
+
+
 def test_coordinator_settings_from_config_fields_override_the_environment(monkeypatch):
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:99")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
