@@ -124,13 +124,11 @@ def _stdout_for_results_only() -> None:
     os.dup2(sys.stderr.fileno(), fd)
 
 
-def initialize_distributed(config=None, required: bool = True) -> None:
+def initialize_distributed(config=None) -> None:
     """Join the run's processes (`jax.distributed.initialize`) once, before JAX is used: with the coordinator
     settings (`coordinator_settings`) when given, else by JAX's detection (TPU pod, SLURM, ...) when
-    `config.mesh.multihost`. Neither: a single process. On the CPU, collectives across processes use gloo.
-
-    `required=False` (evaluators reading a run trained with multihost=True): no cluster found is a single
-    process, not an error, since evaluation fits its mesh to the devices it has."""
+    `config.mesh.multihost` (nothing detected: UserError). Neither: a single process. On the CPU, collectives
+    across processes use gloo."""
     mesh = config.mesh if config is not None else None
     settings = coordinator_settings(mesh)
     if jax.distributed.is_initialized() or (settings is None and not (mesh is not None and mesh.multihost)):
@@ -144,10 +142,9 @@ def initialize_distributed(config=None, required: bool = True) -> None:
     try:
         jax.distributed.initialize()
     except ValueError as e:  # nothing detected: "coordinator_address should be defined." and the like
-        if required:
-            raise UserError(f"mesh.multihost=True but JAX detected no TPU pod or cluster ({e}); set "
-                            "mesh.coordinator_address, mesh.num_processes and mesh.process_id (or "
-                            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
+        raise UserError(f"mesh.multihost=True but JAX detected no TPU pod or cluster ({e}); set "
+                        "mesh.coordinator_address, mesh.num_processes and mesh.process_id (or "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
 
 
 def check_workdir(workdir: str) -> None:

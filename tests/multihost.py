@@ -22,20 +22,27 @@ def free_port() -> int:
 
 
 def run_processes(*args: str, n: int = 2, devices: int = 4, env: dict | None = None,
-                  per_process_env: dict | None = None, timeout: int = 300,
-                  logs: Path | None = None) -> list[subprocess.CompletedProcess]:
+                  per_process_env: dict | None = None, timeout: int = 300, logs: Path | None = None,
+                  via_config: bool = False) -> list[subprocess.CompletedProcess]:
     """`python -m flatlm.cli ARGS` as `n` processes of one run; per_process_env: {process id: {var: value}}.
+    `via_config`: the coordinator settings as --config.mesh.* flags instead of environment variables (train).
     All are killed when the slowest is not done after `timeout` seconds (the results then say so: returncode -9)."""
     port = free_port()
     logs = Path(logs or os.environ.get("TMPDIR", "/tmp"))
     procs, files = [], []
     for i in range(n):
+        settings = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n),
+                    "JAX_PROCESS_ID": str(i)}
+        flags = []
+        if via_config:
+            flags = [f"--config.mesh.{k}={v}" for k, v in zip(("coordinator_address", "num_processes", "process_id"),
+                                                               settings.values())]
+            settings = dict.fromkeys(settings, "")
         full = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {}), **(per_process_env or {}).get(i, {}),
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i)}
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **settings}
         out, err = (open(logs / f"p{port}_{i}.{k}", "w+") for k in ("out", "err"))  # noqa: SIM115 - closed below
         files.append((out, err))
-        procs.append(subprocess.Popen([sys.executable, "-m", "flatlm.cli", *args], stdout=out, stderr=err,
+        procs.append(subprocess.Popen([sys.executable, "-m", "flatlm.cli", *args, *flags], stdout=out, stderr=err,
                                       env=full, cwd=REPO))
     deadline = time.time() + timeout
     for p in procs:

@@ -62,12 +62,12 @@ def _seen(prefix, process: int) -> dict[int, np.ndarray]:
     return {r["step"]: np.asarray(r["targets"]) for r in map(json.loads, lines)}
 
 
-def _train_both(tmp: Path, data_dir, extra: list[str]) -> tuple[Path, Path]:
+def _train_both(tmp: Path, data_dir, extra: list[str], via_config: bool = False) -> tuple[Path, Path]:
     """The same run as 2 processes x 4 devices and as 1 process x 8 devices, each logging the data it read."""
     args = ["--config", TINY, "--quiet", *SHORT, f"--config.data.data_dir={data_dir}", *extra]
     two, one = tmp / "two", tmp / "one"
     _ok(run_processes("train", "--workdir", str(two), *args, env={"FLATLM_DEBUG_DATA_LOG": str(tmp / "seen2")},
-                      logs=tmp))
+                      logs=tmp, via_config=via_config))
     proc = run_cli("train", "--workdir", str(one), *args,
                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                         "FLATLM_DEBUG_DATA_LOG": str(tmp / "seen1")})
@@ -350,5 +350,19 @@ def test_evaluate_and_flatness_of_a_two_process_run_with_two_processes_and_with_
 
 @pytest.mark.slow
 def test_stream_source_global_batch_is_the_same_with_two_processes(tmp_path, data_dir):
-    two, one = _train_both(tmp_path, data_dir, ["--config.data.source=stream"])
+    """... with the coordinator settings given as config fields (--config.mesh.coordinator_address, ...)."""
+    two, one = _train_both(tmp_path, data_dir, ["--config.data.source=stream"], via_config=True)
     _assert_like_one(two, one, tmp_path / "seen2", tmp_path / "seen1")
+    stored = json.loads((two / "config.json").read_text())["mesh"]
+    assert (stored["coordinator_address"], stored["num_processes"], stored["process_id"]) == ("", 0, -1)
+
+
+@pytest.mark.slow
+def test_a_multihost_mesh_that_leaves_a_process_without_rows_is_one_line(tmp_path, data_dir):
+    procs = run_processes("train", "--config", TINY, "--workdir", str(tmp_path / "w"), "--quiet",
+                          f"--config.data.data_dir={data_dir}", "--config.mesh.data=4", logs=tmp_path)
+    for p in procs:
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().splitlines()[-1] == (
+            "flatlm: error: a multi-host mesh must use all 8 devices with a data axis that is a multiple of the 2 "
+            "processes, not 4x1; set --config.mesh.data / --config.mesh.model accordingly (e.g. mesh.data=-1)")

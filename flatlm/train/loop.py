@@ -59,6 +59,13 @@ def validate(config, num_devices: int | None = None) -> None:
     """Check a whole training config: what opening a run needs (`flatlm.run.validate`) and the train section."""
     run_lib.validate(config, num_devices)
     train_lib.validate_config(config)
+    processes = jax.process_count()
+    if num_devices is not None and processes > 1:  # each process feeds its own rows of the batch to its devices
+        data, model = sharding.mesh_shape(config, num_devices)
+        if data * model != num_devices or data % processes:
+            raise UserError(f"a multi-host mesh must use all {num_devices} devices with a data axis that is a "
+                            f"multiple of the {processes} processes, not {data}x{model}; set --config.mesh.data / "
+                            "--config.mesh.model accordingly (e.g. mesh.data=-1)")
 
 
 @dataclasses.dataclass
