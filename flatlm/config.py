@@ -104,7 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
     c.mesh = ml_collections.ConfigDict(
-        dict(data=-1, model=1, parallelism="dp", multihost=False)  # -1: all remaining devices
+        dict(data=-1, model=1, parallelism="dp", multihost=False,  # -1: all remaining devices
+             # a multi-host run outside a TPU pod / cluster JAX detects (flatlm.run.initialize_distributed);
+             # per launch, so never stored in config.json (LAUNCH_FIELDS)
+             coordinator_address="", num_processes=0, process_id=-1)
     )
     c.checkpoint = ml_collections.ConfigDict(
         dict(
@@ -229,6 +232,7 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
     `write=False` only checks, so a run can refuse before it builds anything and write once all checks passed.
     """
     path = Path(workdir) / "config.json"
+    config = without_launch_fields(config)
     text = config.to_json_best_effort(indent=2, sort_keys=True)
     if path.exists():
         old = _read_json(path)
@@ -248,6 +252,20 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+LAUNCH_FIELDS = {"coordinator_address": "", "num_processes": 0, "process_id": -1}  # of `mesh`: how, not what
+
+
+def without_launch_fields(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `config` with the per-launch `mesh` fields (coordinator, process count and id) at their
+    defaults: they differ between the processes of one run and between its restarts, so no run records them."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    if "mesh" in config:
+        for k, v in LAUNCH_FIELDS.items():
+            if k in config.mesh:
+                config.mesh[k] = v
+    return config
 
 
 def _flat(d, prefix=""):

@@ -20,6 +20,8 @@ import os
 import time
 from pathlib import Path
 
+import jax
+
 from flatlm import locks
 from flatlm.errors import UserError, disk_full_is_one_line
 
@@ -64,7 +66,10 @@ def identity(entry: dict) -> str:
 
 def append(workdir: str, entries: list[dict]) -> None:
     """Add entries (stamped with the time) to the workdir's results.json, atomically and under its lock; an
-    earlier entry with the same `identity` as a new one is replaced (dropped, the new one goes at the end)."""
+    earlier entry with the same `identity` as a new one is replaced (dropped, the new one goes at the end).
+    In a multi-host run only process 0 writes (every process measured the same entries)."""
+    if jax.process_index() != 0:
+        return
     path = Path(workdir, "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()

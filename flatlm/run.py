@@ -7,6 +7,11 @@ restores only the parameters of a checkpoint.
 
 `validate(config, num_devices)` is the one place a config is checked before anything runs: each section is
 validated by the layer that owns it, then the checks that span sections.
+
+Multi-host: `initialize_distributed` joins the processes of a run (a TPU pod or cluster JAX detects, or the
+coordinator settings `mesh.coordinator_address` / `num_processes` / `process_id` or JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, as launch/local_multihost.sh sets them). Every process then builds the same
+Run; `load_run` fits the mesh to the devices there are, so evaluators run on fewer devices than training had.
 """
 
 from __future__ import annotations
@@ -70,10 +75,78 @@ def _warn_unsharded(config, num_devices: int) -> None:
 _WARNED: set = set()
 
 
-def initialize_distributed(config) -> None:
-    """`jax.distributed.initialize()` once, when the config asks for a multi-host run."""
-    if config.mesh.multihost and not jax.distributed.is_initialized():
+COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")  # JAX reads the first itself
+
+
+def coordinator_settings(mesh=None) -> tuple[str, int, int] | None:
+    """(coordinator address, number of processes, this process's id) of a multi-host run that JAX cannot detect
+    (not a TPU pod, SLURM, ...): `mesh.coordinator_address` / `mesh.num_processes` / `mesh.process_id`, each
+    defaulting to the environment variable JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+    None when none of the three is set; UserError (one line) when they are incomplete or inconsistent."""
+    env = [os.environ.get(k, "").strip() for k in COORDINATOR_ENV]
+    given = [str(mesh.coordinator_address) if mesh is not None and mesh.coordinator_address else env[0],
+             str(mesh.num_processes) if mesh is not None and int(mesh.num_processes) > 0 else env[1],
+             str(mesh.process_id) if mesh is not None and int(mesh.process_id) >= 0 else env[2]]
+    if not any(given):
+        return None
+    names = [f"mesh.{f} ({e})" for f, e in zip(("coordinator_address", "num_processes", "process_id"),
+                                               COORDINATOR_ENV)]
+    missing = [n for n, v in zip(names, given) if not v]
+    if missing:
+        raise UserError(f"a multi-host run needs all three coordinator settings but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not set; set them (config field or environment "
+                        "variable) or none (a TPU pod or a cluster JAX detects)")
+    address, count, index = given
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"coordinator address {address!r} is not HOST:PORT; set mesh.coordinator_address "
+                        "(or JAX_COORDINATOR_ADDRESS) to e.g. 10.0.0.2:8476")
+    try:
+        count, index = int(count), int(index)
+    except ValueError:
+        raise UserError(f"the number of processes ({count!r}) and the process id ({index!r}) must be integers; "
+                        "fix mesh.num_processes / mesh.process_id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)") from None
+    if count < 1 or not 0 <= index < count:
+        raise UserError(f"process id {index} is not in 0..{count - 1} (num_processes={count}); fix "
+                        "mesh.process_id / mesh.num_processes (or JAX_PROCESS_ID / JAX_NUM_PROCESSES)")
+    return address, count, index
+
+
+def _stdout_for_results_only() -> None:
+    """Native code (gloo: "[Gloo] Rank 0 is connected to 7 peer ranks...") writes on file descriptor 1: point it at
+    stderr, and `sys.stdout` at a copy of the original stdout, so stdout keeps only what flatlm prints (--json)."""
+    if sys.stdout is not sys.__stdout__:  # captured or replaced (pytest, a notebook): leave it
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return
+    sys.stdout.flush()
+    sys.stdout = os.fdopen(os.dup(fd), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), fd)
+
+
+def initialize_distributed(config=None) -> None:
+    """Join the run's processes (`jax.distributed.initialize`) once, before JAX is used: with the coordinator
+    settings (`coordinator_settings`) when given, else by JAX's detection (TPU pod, SLURM, ...) when
+    `config.mesh.multihost` (nothing detected: UserError). Neither: a single process. On the CPU, collectives
+    across processes use gloo."""
+    mesh = config.mesh if config is not None else None
+    settings = coordinator_settings(mesh)
+    if jax.distributed.is_initialized() or (settings is None and not (mesh is not None and mesh.multihost)):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; GPU/TPU ignore it
+    if settings is not None:
+        address, count, index = settings
+        _stdout_for_results_only()
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
+        return
+    try:
         jax.distributed.initialize()
+    except ValueError as e:  # nothing detected: "coordinator_address should be defined." and the like
+        raise UserError(f"mesh.multihost=True but JAX detected no TPU pod or cluster ({e}); set "
+                        "mesh.coordinator_address, mesh.num_processes and mesh.process_id (or "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
 
 
 def check_workdir(workdir: str) -> None:
@@ -141,10 +214,11 @@ class Run:
                             nn.unbox(self.abstract_boxed), self.param_shardings)
 
     def eval_batches(self, batch_size: int | None = None, limit: int | None = None):
-        """Validation batches (tokens, length, exact conditionals q) of this process, in order."""
+        """Validation batches (tokens, length, exact conditionals q), in order: all of them in every process, so
+        that an evaluation (a jitted computation every process runs with the same inputs) does not depend on the
+        number of processes."""
         bs = batch_size or self.config.eval.batch_size
-        return pipeline.eval_batches(self.sources["validation"], bs, limit, jax.process_index(),
-                                     jax.process_count())
+        return pipeline.eval_batches(self.sources["validation"], bs, limit)
 
     def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0, masking: str = "single") -> list[dict]:
         """Masked validation sentences in the MLM batch format (tokens/targets/weights), e.g. for flatness.
@@ -199,8 +273,12 @@ class Run:
                                     definition=c.eval.task_definition, quiet=quiet)
 
 
-def build_run(config, workdir: str, quiet: bool = False) -> Run:
-    """Validate the config, then build its language, data, model, mesh and parameter shardings."""
+def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False) -> Run:
+    """Validate the config, then build its language, data, model, mesh and parameter shardings. `fit_mesh`: a
+    mesh that does not fit the devices there are is shrunk to one that does (`flatlm.sharding.fit_mesh`; for
+    evaluators, which may run on fewer devices than training had)."""
+    if fit_mesh:
+        config = sharding.fit_mesh(config, jax.device_count())
     validate(config, jax.device_count())
     language = languages.make_language(config.language)
     task_names(config, language)  # eval.tasks must name tasks of this language
@@ -216,5 +294,7 @@ def build_run(config, workdir: str, quiet: bool = False) -> Run:
 
 
 def load_run(workdir: str, quiet: bool = True) -> Run:
-    """The Run of an existing workdir, from its config.json (for evaluators, flatness and the CLI)."""
-    return build_run(config_lib.load_workdir_config(workdir), workdir, quiet=quiet)
+    """The Run of an existing workdir, from its config.json (for evaluators, flatness and the CLI), on the devices
+    there are: its mesh is fitted to them (`flatlm.sharding.fit_mesh`), so a run trained on 8 devices (or 2
+    processes) is evaluated on 1 as well."""
+    return build_run(config_lib.load_workdir_config(workdir), workdir, quiet=quiet, fit_mesh=True)

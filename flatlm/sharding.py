@@ -41,14 +41,35 @@ def validate_config(config, num_devices: int) -> None:
     if data * model > num_devices:
         raise UserError(f"mesh {data}x{model} needs {data * model} devices but only {num_devices} are available; "
                         "lower --config.mesh.data / --config.mesh.model")
+    for field, size in batch_sizes(config).items():
+        if size % data:
+            raise UserError(f"config.{field}={size} is not divisible by the data axis ({data}); "
+                            f"use a multiple of {data}")
+
+
+def batch_sizes(config) -> dict:
+    """{config field: size} of the batches the data axis must divide."""
     sizes = {"data.batch_size": config.data.batch_size}
     adv = config.train.adversarial
     if adv.lam > 0 or adv.monitor:
         sizes.update({"train.adversarial.d1_size": adv.d1_size, "train.adversarial.d2_size": adv.d2_size})
-    for field, size in sizes.items():
-        if size % data:
-            raise UserError(f"config.{field}={size} is not divisible by the data axis ({data}); "
-                            f"use a multiple of {data}")
+    return sizes
+
+
+def fit_mesh(config, num_devices: int):
+    """The config with a mesh that fits `num_devices`, for evaluating a run on other devices than it was trained on
+    (a run trained on 8 devices, evaluated on 1): the config itself when its mesh fits, else a copy whose model axis
+    is the largest divisor of its own that divides `num_devices`, and whose data axis is the largest that fits the
+    rest and divides the batch sizes. Training never does this: it needs its mesh (`validate_config`)."""
+    data, model = mesh_shape(config, num_devices)
+    sizes = batch_sizes(config).values()
+    if data * model <= num_devices and all(s % data == 0 for s in sizes):
+        return config
+    model = max(m for m in range(1, model + 1) if model % m == 0 and num_devices % m == 0)
+    data = max(d for d in range(1, num_devices // model + 1) if all(s % d == 0 for s in sizes))
+    config = config.copy_and_resolve_references()
+    config.mesh.update(data=data, model=model)
+    return config
 
 
 def axis_rules(parallelism: str) -> Rules:

@@ -13,6 +13,7 @@ from flatlm.checkpoint import DamagedCheckpoint  # noqa: E402
 from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, reproduce, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
 from flatlm.errors import DiskFull, UserError  # noqa: E402
+from flatlm.run import initialize_distributed  # noqa: E402
 from flatlm.train.loop import NonFiniteLoss, Preempted  # noqa: E402
 
 # A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra and not args.overrides:
             raise UserError(f"unrecognised argument {extra[0]!r} (see `flatlm {args.verb} --help`)")
         args.overrides = extra
+        initialize_distributed()  # a process of a multi-host launch (JAX_COORDINATOR_ADDRESS, ...): join it first
         return args.func(args)
     except UserError as e:
         print(f"flatlm: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ import os
 import sys
 
 import flax.linen as nn
+import jax
 from tqdm.auto import tqdm
 
 from flatlm import locks
@@ -43,7 +44,8 @@ def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str,
     """Evaluate checkpoints `steps` (default: all) of the run in `workdir`; returns the new entries, which are
     also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section.
     Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
-    with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir)):  # no dir: load_run says why
+    # no dir: load_run says why; in a multi-host run process 0 holds the lock for all (only it writes)
+    with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir) and jax.process_index() == 0):
         return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, exact, progress)
 
 

@@ -33,7 +33,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     Step s uses the key `seed + s`. Appending holds the
     workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
-    with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap):
+    with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
         model = run.model
         lstm = isinstance(model, BiLSTM)
         if grow_to is not None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
@@ -58,6 +59,13 @@ def validate(config, num_devices: int | None = None) -> None:
     """Check a whole training config: what opening a run needs (`flatlm.run.validate`) and the train section."""
     run_lib.validate(config, num_devices)
     train_lib.validate_config(config)
+    processes = jax.process_count()
+    if num_devices is not None and processes > 1:  # each process feeds its own rows of the batch to its devices
+        data, model = sharding.mesh_shape(config, num_devices)
+        if data * model != num_devices or data % processes:
+            raise UserError(f"a multi-host mesh must use all {num_devices} devices with a data axis that is a "
+                            f"multiple of the {processes} processes, not {data}x{model}; set --config.mesh.data / "
+                            "--config.mesh.model accordingly (e.g. mesh.data=-1)")
 
 
 @dataclasses.dataclass
@@ -169,6 +177,8 @@ class ConvergenceWatch:
             s["log_steps"] = sorted(set(steps))
             self.pinned.pin(*s["log_steps"])
             log.info("exact KL converged at step %d; keeping checkpoints at %s", step, s["log_steps"])
+        if jax.process_index() != 0:  # every process keeps the state, process 0 writes it
+            return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(s, f)
@@ -191,6 +201,13 @@ class _Preemption:
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def anywhere(self) -> bool:
+        """Whether any process of the run got SIGTERM: every process asks at every step, so all of them save
+        the same step and stop together (one preempted host stops the run, none waits for it forever)."""
+        if jax.process_count() == 1:
+            return self.requested
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
     def __exit__(self, *exc):
         if self._old is not None:
@@ -245,6 +262,17 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     if os.environ.get("FLATLM_DEBUG_SIGKILL_WORKDIR", "") in os.path.abspath(workdir):
         for name, sig in (("SIGKILL", signal.SIGKILL), ("SIGTERM", signal.SIGTERM)):
             debug_signals[int(os.environ.get(f"FLATLM_DEBUG_{name}_AT_STEP", "-1"))] = sig
+    # Test hook: FLATLM_DEBUG_DATA_LOG=PREFIX appends {"step", "process", "targets"} of every batch this process
+    # read to PREFIX.<process>.jsonl (what each process of a multi-host run saw)
+    data_log = os.environ.get("FLATLM_DEBUG_DATA_LOG")
+    data_log = open(f"{data_log}.{jax.process_index()}.jsonl", "a") if data_log else None  # noqa: SIM115
+
+    def log_batch(step, local):
+        if data_log is not None:
+            data_log.write(json.dumps({"step": step, "process": jax.process_index(),
+                                       "targets": np.asarray(local["targets"]).tolist()}) + "\n")
+            data_log.flush()
+        return local
     last_eval: dict = {}
     pending = None  # (step, device metrics) of the previous step, pulled after the next dispatch
     last_saved = start
@@ -270,9 +298,10 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
             if step <= warm_until:  # warm start: plain MLM before the adversarial objective
-                state, metrics = plain_step_fn(state, sharding.global_batch(next(it), run.mesh))
+                state, metrics = plain_step_fn(state, sharding.global_batch(log_batch(step, next(it)), run.mesh))
             else:
-                local = next(it) if down_batches is None else {**next(it), **next(down_batches)}
+                local = log_batch(step, next(it))
+                local = local if down_batches is None else {**local, **next(down_batches)}
                 state, metrics = step_fn(state, sharding.global_batch(local, run.mesh))
             if pending is not None:
                 flush(pending)
@@ -282,16 +311,16 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if debug_signals.get(step) == signal.SIGTERM:
                 os.kill(os.getpid(), signal.SIGTERM)  # arrives during this step, like a real preemption
             last = step == c.train.steps
+            stop = preempt.anywhere()
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
                 pending = None
                 last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run, state["params"]).items()
                              if not isinstance(v, str)}  # scalars only; "average" is named by the config
                 writer.write(step, last_eval)
-                if jax.process_index() == 0:
-                    convergence.update(step, last_eval["eval/kl"])
+                convergence.update(step, last_eval["eval/kl"])  # in every process: all must pin the same steps
                 bar.set_postfix(loss=f"{last_eval['eval/loss']:.4f}", kl=f"{last_eval['eval/kl']:.2e}")
-            if step % c.checkpoint.every == 0 or last or step in pinned.steps or preempt.requested:
+            if step % c.checkpoint.every == 0 or last or step in pinned.steps or stop:
                 if pending is not None:
                     flush(pending)
                     pending = None
@@ -299,14 +328,16 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                 last_saved = step
             if debug_signals.get(step) == signal.SIGKILL:
                 os.kill(os.getpid(), signal.SIGKILL)  # after this step's checkpoint, if any
-            if preempt.requested and not last:
+            if stop and not last:
                 break
         if pending is not None:
             flush(pending)
     bar.close()
     writer.close()
+    if data_log is not None:
+        data_log.close()
     mngr.close()
-    if preempt.requested and last_saved < c.train.steps:
+    if last_saved < c.train.steps:  # stopped early: this process or another one got SIGTERM
         raise Preempted(f"interrupted by SIGTERM at step {last_saved} of {c.train.steps}; checkpoint {last_saved} "
                         "is saved; rerun the same command to resume")
     return last_eval
