@@ -137,6 +137,11 @@ def _run_dyck(args: argparse.Namespace) -> int:
               f"{results['n_downstream']} samples. Flattest possible Tr(H) = 4/(m sqrt T) = "
               f"{results['flattest_trace']:.4g}")
         print_table(results["solutions"], COLUMNS)
+        unfit = [r for r in results["solutions"] if r["solution"].startswith("sgd") and r["pretrain_loss"] > 1e-2]
+        for r in unfit:  # Section 6 compares zero-loss solutions; a trained row short of that is not one
+            print(f"note: {r['solution']} did not reach zero pre-training loss in {results['steps']} steps (loss "
+                  f"{r['pretrain_loss']:.2g}): its Tr(H) and downstream loss are not those of a zero-loss solution; "
+                  f"train longer (--steps) or at a smaller width (e.g. --m 24 --draw mirrored)")
         if results["random_features_note"]:
             print(results["random_features_note"])
         if results["search"]:
