@@ -71,6 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
             grad_clip=0.0,  # 0 -> off
             log_every=50,
             eval_every=250,
+            rank_every=0,  # > 0: log rank and top singular values of W - W0 per matrix at evals on these steps
             # The adversarial meta-objective (paper A.4): L_mlm - lam * loss of a ridge head fitted on D1,
             # evaluated on D2 (flatlm.train.adversarial.AdversarialConfig documents every field). lam = 0: plain
             # MLM (monitor=True still logs the head's D2 loss/accuracy). task "" -> the language's first task.

@@ -16,6 +16,8 @@ def validate_config(config) -> None:
     check_choice(train.optimizer, OPTIMIZERS, "train.optimizer")
     check_choice(train.schedule, SCHEDULES, "train.schedule")
     check_positive(train, "train", "steps", "log_every", "eval_every", "lr")
+    if train.get("rank_every", 0) < 0:
+        raise UserError(f"config.train.rank_every must be >= 0 (0: off), got {train.rank_every}")
     if not 0 <= train.warmup_frac < 1:
         raise UserError(f"config.train.warmup_frac must be in [0, 1), got {train.warmup_frac}")
     adv = adversarial.AdversarialConfig(**train.adversarial)

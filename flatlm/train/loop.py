@@ -38,7 +38,7 @@ from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
 from flatlm.run import Run, build_run, check_workdir, initialize_distributed
 from flatlm.train import adversarial as adv
-from flatlm.train import flat_objectives, optim
+from flatlm.train import flat_objectives, optim, rank
 from flatlm.train.step import mlm_objective, train_step
 
 log = logging.getLogger("flatlm")
@@ -279,6 +279,13 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     bar = tqdm(total=c.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=not progress or jax.process_index() != 0, file=sys.stderr)
     t_last, steps_since = time.time(), 0
+    w0_cache = {}
+
+    def rank_metrics(params) -> dict:
+        """train.rank_every: rank of W - W0, W0 recomputed from the seed once (initialisation is deterministic)."""
+        if not w0_cache:
+            w0_cache["params"] = multihost_utils.process_allgather(init_state(run, setup)["params"], tiled=True)
+        return rank.update_ranks(multihost_utils.process_allgather(params, tiled=True), w0_cache["params"])
 
     def flush(entry):
         nonlocal t_last, steps_since
@@ -320,6 +327,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                 writer.write(step, last_eval)
                 convergence.update(step, last_eval["eval/kl"])  # in every process: all must pin the same steps
                 bar.set_postfix(loss=f"{last_eval['eval/loss']:.4f}", kl=f"{last_eval['eval/kl']:.2e}")
+            if c.train.get("rank_every", 0) and (step % c.train.rank_every == 0 or last):
+                writer.write(step, rank_metrics(state["params"]))
             if step % c.checkpoint.every == 0 or last or step in pinned.steps or stop:
                 if pending is not None:
                     flush(pending)
