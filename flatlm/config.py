@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ml_collections
 
+from flatlm import paths
 from flatlm.errors import UserError
 
 
@@ -223,7 +224,7 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
 
     `write=False` only checks, so a run can refuse before it builds anything and write once all checks passed.
     """
-    path = Path(workdir) / "config.json"
+    path = paths.path(workdir, "config.json")
     text = config.to_json_best_effort(indent=2, sort_keys=True)
     if path.exists():
         old = _read_json(path)
@@ -240,9 +241,7 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
     if not write:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    paths.write_text(path, text)
 
 
 def _flat(d, prefix=""):
@@ -257,7 +256,7 @@ def _flat(d, prefix=""):
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config stored in a workdir's config.json, merged over `base_config()`."""
-    path = Path(workdir) / "config.json"
+    path = paths.path(workdir, "config.json")
     if not path.exists():
         raise UserError(f"{workdir} is not a flatlm run (no config.json); pass the --workdir of a `flatlm train`")
     data = _read_json(path)
@@ -267,7 +266,7 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     return base
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path) -> dict:
     """A workdir's config.json, or one line saying it is damaged."""
     try:
         data = json.loads(path.read_text())

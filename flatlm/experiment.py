@@ -22,8 +22,9 @@ import ml_collections
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
-from flatlm import locks
+from flatlm import locks, paths
 from flatlm import results as results_lib
+from flatlm import run as run_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run
 from flatlm.flatness.runner import flatness_run
@@ -96,7 +97,7 @@ def _done(run_dir: Path, final_step: int) -> bool:
         return False
     if final_step in ckpt.all_steps(str(run_dir)):
         return True
-    os.replace(marker, run_dir / "DONE.stale")
+    marker.replace(run_dir / "DONE.stale")
     print(f"{run_dir}: DONE marker without the step-{final_step} checkpoint; resuming the run", file=sys.stderr)
     return False
 
@@ -104,9 +105,7 @@ def _done(run_dir: Path, final_step: int) -> bool:
 def _mark_done(run_dir: Path, final_step: int, info: dict) -> None:
     if final_step not in ckpt.all_steps(str(run_dir)):  # never mark unfinished work finished
         raise RuntimeError(f"{run_dir} has no checkpoint at its final step {final_step}; not marking it done")
-    tmp = run_dir / ".DONE.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, run_dir / "DONE")
+    paths.write_text(run_dir / "DONE", json.dumps(info))
 
 
 def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[int]:
@@ -119,7 +118,7 @@ def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
     """Train, evaluate and measure every run; returns {run name: status}. Holds the experiment dir's lock
     (`flatlm.locks.exclusive`): a second `flatlm experiment` on it stops with one line."""
     validate_experiment(exp)
-    root = Path(workdir)
+    root = paths.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     with locks.exclusive(root, f"running experiment {exp.name}"):
         return _run_experiment(exp, root, workdir, progress)
@@ -141,7 +140,8 @@ def _run_experiment(exp, root: Path, workdir: str, progress: bool) -> dict:
         if progress:
             print(f"[{i + 1}/{len(exp.runs)}] {exp.name}/{run['name']}", file=sys.stderr)
         if not config.data.data_dir:  # one copy of each corpus / task split for all runs (keyed by content hash)
-            config.data.data_dir = str(root.resolve() / "data")
+            config.data.data_dir = run_lib.data_dir(config, os.path.abspath(root) if not paths.is_cloud(root)
+                                                    else os.fspath(root))
         t0 = time.time()
         train_and_evaluate(config, str(run_dir), progress=progress)
         if exp.evaluate:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from scipy.stats import spearmanr
 
+from flatlm import paths
 from flatlm import results as results_lib
 from flatlm.config import load_workdir_config
 from flatlm.errors import UserError
@@ -33,7 +33,7 @@ from flatlm.models import make_model, model_config
 class RunData:
     """One run as the report sees it: its config, exact-loss evals (metrics.jsonl) and results.json entries."""
     name: str
-    path: Path
+    path: paths.Path
     config: dict
     evals: list[dict]
     results: list[dict]
@@ -57,7 +57,7 @@ def find_runs(dirs: list[str]) -> list[RunData]:
     """The runs under each dir: the dir itself if it is a run, else its experiment's runs/* in run order."""
     runs = []
     for d in dirs:
-        p = Path(d)
+        p = paths.path(d)
         candidates = [p] if (p / "config.json").exists() else sorted(x.parent for x in p.glob("runs/*/config.json"))
         if (p / "experiment.json").exists():  # the experiment's own run order
             order = [r["name"] for r in json.loads((p / "experiment.json").read_text()).get("runs", [])]
@@ -117,8 +117,13 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
             r.num_params = param_count(r)
         except Exception:  # noqa: BLE001 - a run whose config no longer builds still gets its curves
             r.num_params = None
-    out_dir = Path(out or Path(dirs[0]) / "report")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    target = paths.path(out or paths.path(dirs[0], "report"))
+    with paths.local_copy_dir(target) as local:  # matplotlib writes local files; a bucket gets them uploaded
+        _write_report(runs, dirs, Path(local))
+    return target / "report.md"
+
+
+def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     tasks = _tasks(runs)
     md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
 
@@ -247,11 +252,7 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
-    path = out_dir / "report.md"
-    tmp = out_dir / ".report.md.tmp"
-    tmp.write_text("\n".join(md) + "\n")
-    os.replace(tmp, path)
-    return path
+    paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 
 
 SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")

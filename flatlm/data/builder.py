@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flatlm import locks
+from flatlm import locks, paths
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 
@@ -153,6 +153,10 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
           quiet: bool = False) -> FlatlmCorpus:
     """Materialise the corpus in `data_dir` (no-op if it is already there; refused if it cannot fit on the
     disk, see `check_space`). Returns the builder."""
+    if paths.is_cloud(data_dir):
+        raise UserError(f"data.data_dir={data_dir} is in a bucket; corpora are built and read as local array_record "
+                        "files: set --config.data.data_dir to a local folder (a cloud workdir's default is "
+                        "~/.cache/flatlm/data)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     config = corpus_config(dict(language_spec), train_size, eval_size, seed)
     with building(FlatlmCorpus, config.name, data_dir):

@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -28,7 +27,7 @@ from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
-from flatlm import locks, sharding
+from flatlm import locks, paths, sharding
 from flatlm import run as run_lib
 from flatlm import train as train_lib
 from flatlm.data import pipeline
@@ -144,11 +143,10 @@ class ConvergenceWatch:
 
     def __init__(self, cfg, total_steps: int, workdir: str, pinned: ckpt.PinnedSteps):
         self.cfg, self.total, self.pinned = cfg, total_steps, pinned
-        self.path = os.path.join(workdir, "convergence.json")
+        self.path = paths.path(workdir, "convergence.json")
         self.state = {"best": None, "stalls": 0, "converged_at": None, "log_steps": []}
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.state = json.load(f)
+        if self.path.exists():
+            self.state = json.loads(self.path.read_text())
         pinned.pin(*self.state["log_steps"])
 
     def update(self, step: int, kl: float) -> None:
@@ -169,10 +167,7 @@ class ConvergenceWatch:
             s["log_steps"] = sorted(set(steps))
             self.pinned.pin(*s["log_steps"])
             log.info("exact KL converged at step %d; keeping checkpoints at %s", step, s["log_steps"])
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(s, f)
-        os.replace(tmp, self.path)
+        paths.write_text(self.path, json.dumps(s))
 
 
 class _Preemption:
@@ -205,14 +200,14 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     validate(config, jax.device_count())
     check_workdir(workdir)
     config_lib.save_workdir_config(config, workdir, write=False)  # a different run there: refuse before building
-    created = not os.path.exists(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    created = not paths.path(workdir).exists()
+    paths.path(workdir).mkdir(parents=True, exist_ok=True)
     try:
         with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
             return _train(config, workdir, progress, objective)
     except UserError:
-        if created and set(os.listdir(workdir)) <= {".lock"}:  # refused before writing anything: leave no trace
-            shutil.rmtree(workdir, ignore_errors=True)
+        if created and {p.name for p in paths.path(workdir).iterdir()} <= {".lock"}:  # refused before writing
+            paths.path(workdir).rmtree(missing_ok=True)  # anything: leave no trace
         raise
 
 
