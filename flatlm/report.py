@@ -49,8 +49,44 @@ class RunData:
         return out
 
     def by_kind(self, kind: str) -> dict:
-        """step -> latest results entry of `kind` (e.g. "exact_loss", "flatness")."""
+        """step -> latest results entry of `kind` (e.g. "exact_loss"). Not for "flatness": see `flatness`."""
         return {e["step"]: e for e in self.results if e["kind"] == kind}
+
+    def flatness(self, estimator: tuple) -> dict:
+        """step -> latest flatness entry of one estimator (`estimator_key`): traces of different estimators
+        (the Hessian's, the Fisher's, the empirical Fisher's) are different quantities and are never mixed."""
+        return {e["step"]: e for e in self.results if e["kind"] == "flatness" and estimator_key(e) == estimator}
+
+
+# What each flatness method measures (flatlm.flatness.compare.measure); a report names every value by its estimator
+ESTIMATOR_LABELS = {
+    "exact": "Tr(H) exact",
+    "hutchinson": "Tr(H) Hutchinson",
+    "fisher": "Tr(F) Fisher, sampled labels",
+    "hutchpp": "Tr(F) Fisher, Hutch++",
+    "empirical_fisher": "Tr(empirical Fisher), true labels",
+}
+
+
+def estimator_key(entry: dict) -> tuple:
+    """(method, grown_to) of a flatness entry: what makes two traces comparable."""
+    grown = entry.get("grown_to")
+    return entry.get("method", "?"), tuple(grown) if grown else None
+
+
+def estimator_label(key: tuple) -> str:
+    """A column / axis name for an estimator, e.g. "Tr(H) Hutchinson" or "Tr(F) Fisher, sampled labels (grown to
+    4x256)"."""
+    method, grown = key
+    label = ESTIMATOR_LABELS.get(method, f"trace ({method})")
+    return f"{label} (grown to {grown[0]}x{grown[1]})" if grown else label
+
+
+def estimators(runs: list[RunData]) -> list[tuple]:
+    """Every flatness estimator measured in `runs`, in a fixed order."""
+    keys = {estimator_key(e) for r in runs for e in r.results if e["kind"] == "flatness"}
+    order = list(ESTIMATOR_LABELS)
+    return sorted(keys, key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1] or ()))
 
 
 def find_runs(dirs: list[str]) -> list[RunData]:
@@ -179,44 +215,48 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         md.append("## Accuracy vs model size (final checkpoints; exact loss annotated)\n\n"
                   "![size](accuracy_vs_size.png)\n")
 
-    # 4a. Tr(H) vs steps (Figure 3's panel)
-    traced = [r for r in runs if r.by_kind("flatness")]
-    if traced:
+    # 4a. flatness vs steps (Figure 3's panel): one plot per estimator, never two estimators on one axis
+    ests = estimators(runs)
+    for i, key in enumerate(ests):
         fig, ax = subplots()
-        for r in traced:
-            fl = r.by_kind("flatness")
+        for r in runs:
+            fl = r.flatness(key)
             s = sorted(fl)
-            ax.errorbar(s, [fl[k]["trace"] for k in s], [fl[k]["trace_stderr"] for k in s], fmt="o-", ms=3,
-                        capsize=2, label=r.name)
-        methods = sorted({e.get("method", "?") for r in traced for e in r.by_kind("flatness").values()})
-        ax.set(xlabel="step", ylabel=f"Tr(H), estimator: {', '.join(methods)}", title="flatness along training")
+            if s:
+                ax.errorbar(s, [fl[k]["trace"] for k in s], [fl[k]["trace_stderr"] for k in s], fmt="o-", ms=3,
+                            capsize=2, label=r.name)
+        ax.set(xlabel="step", ylabel=estimator_label(key), title="flatness along training")
         ax.legend(fontsize=7)
-        _save(fig, out_dir / "trace_vs_steps.png")
-        md.append("## Tr(H) along training\n\n![trace](trace_vs_steps.png)\n")
+        name = _plot_name("trace_vs_steps", i)
+        _save(fig, out_dir / f"{name}.png")
+        md.append(f"## {estimator_label(key)} along training\n\n![trace]({name}.png)\n")
 
-    # 4. Tr(H) vs accuracy with rank correlation
-    pairs = []
-    for r in runs:
-        fl = r.by_kind("flatness")
-        for step, e in r.probe(tasks[0] if tasks else None).items():
-            if step in fl:
-                pairs.append((fl[step]["trace"], e["accuracy"], r.name))
-    if len(pairs) >= 3:
+    # 4. flatness vs accuracy with rank correlation, per estimator
+    for i, key in enumerate(ests):
+        pairs = []
+        for r in runs:
+            fl = r.flatness(key)
+            for step, e in r.probe(tasks[0] if tasks else None).items():
+                if step in fl:
+                    pairs.append((fl[step]["trace"], e["accuracy"], r.name))
+        if len(pairs) < 3:
+            continue
         rho, lo, hi = spearman_with_ci([p[0] for p in pairs], [p[1] for p in pairs])
         fig, ax = subplots()
-        for name in sorted({p[2] for p in pairs}):
-            pts = [p for p in pairs if p[2] == name]
-            ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=name, s=18)
-        ax.set(xlabel="Tr(H)", ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
+        for run_name in sorted({p[2] for p in pairs}):
+            pts = [p for p in pairs if p[2] == run_name]
+            ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=run_name, s=18)
+        ax.set(xlabel=estimator_label(key), ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
                title=f"Spearman ρ = {rho:.2f} [{lo:.2f}, {hi:.2f}]")
         ax.legend(fontsize=7)
-        _save(fig, out_dir / "flatness_vs_accuracy.png")
-        md.append(f"## Flatness vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval [{lo:.3f}, {hi:.3f}]"
-                  f" over {len(pairs)} checkpoints.\n\n![flatness](flatness_vs_accuracy.png)\n")
+        name = _plot_name("flatness_vs_accuracy", i)
+        _save(fig, out_dir / f"{name}.png")
+        md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
+                  f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
 
     # 5. Table 1/2 layout: last checkpoint of every run, plus the lookup table
     header = ["run", "params", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-             [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+             [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
     rows = []
     for r in runs:
         ex = r.by_kind("exact_loss")
@@ -229,11 +269,11 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         for t in tasks:
             f = {e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t}
             ft_cells.append(_pm(f[max(f)]["accuracy"], f[max(f)]["accuracy_std"]) if f else "-")
-        fl = r.by_kind("flatness")
-        tr = f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
+        tr = [f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
+              for fl in (r.flatness(k) for k in ests)]
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
         kl = f"{ex[last]['kl']:.2e}" if last is not None else "-"
-        rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, tr])
+        rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, *tr])
     for t in tasks:
         look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
         if look:
@@ -241,14 +281,14 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
             cells[tasks.index(t)] = _pm(look[-1]["accuracy"], look[-1]["accuracy_std"])
             ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
             rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
-                         *(["-"] * len(tasks)), "-"])
+                         *(["-"] * len(tasks)), *(["-"] * len(ests))])
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]
     seed_rows = seed_table(runs, tasks)
     if seed_rows:
         head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-               [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+               [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
@@ -264,7 +304,8 @@ def _last_value(entries: dict, key: str) -> float | None:
 
 def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
     """Rows of mean ± std over pre-training seeds for runs named `<name>-seed<k>` (groups of >= 2 runs): the
-    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and Tr(H)."""
+    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and one
+    flatness column per estimator (`estimators`)."""
     groups: dict[str, list[RunData]] = {}
     for r in runs:
         m = SEED_SUFFIX.match(r.name)
@@ -286,9 +327,15 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
         row += [cell([_last_value(r.probe(t), "accuracy") for r in members], pct) for t in tasks]
         row += [cell([_last_value({e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t},
                                   "accuracy") for r in members], pct) for t in tasks]
-        row.append(cell([_last_value(r.by_kind("flatness"), "trace") for r in members], lambda x: f"{x:.4g}"))
+        row += [cell([_last_value(r.flatness(k), "trace") for r in members], lambda x: f"{x:.4g}")
+                for k in estimators(runs)]
         rows.append(row)
     return rows
+
+
+def _plot_name(stem: str, i: int) -> str:
+    """The file stem of the i-th estimator's plot: `stem` for the first (the name earlier reports used)."""
+    return stem if i == 0 else f"{stem}_{i + 1}"
 
 
 def _save(fig, path: Path) -> None:
