@@ -219,10 +219,18 @@ def check_positive(section, prefix: str, *names: str) -> None:
 # ---------------------------------------------------------------- workdir
 
 
-def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
+EXTENDABLE = ("train.steps",)  # fields a run may change on resume, and only upwards: see save_workdir_config
+
+
+def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True,
+                        check_extension=None) -> None:
     """Write `config.json` atomically; refuse to mix a different config into an existing run.
 
     `write=False` only checks, so a run can refuse before it builds anything and write once all checks passed.
+    Raising `train.steps` (`EXTENDABLE`) extends a run: allowed when `check_extension(old, new)` (ConfigDicts of
+    the stored and the new config) accepts it, i.e. raises no UserError; the trainer's check asks that the steps
+    already trained would have been trained the same way (the learning-rate schedule over them is unchanged).
+    config.json then records the new total.
     """
     path = paths.path(workdir, "config.json")
     text = config.to_json_best_effort(indent=2, sort_keys=True)
@@ -231,12 +239,20 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         new = json.loads(text)
         old.pop("config_spec", None)
         new.pop("config_spec", None)
-        if old != new:
-            diff = [k for k in _flat(new) if _flat(new).get(k) != _flat(old).get(k)]
+        if old == new:
+            return
+        flat_old, flat_new = _flat(old), _flat(new)
+        diff = [k for k in sorted(set(flat_new) | set(flat_old)) if flat_new.get(k) != flat_old.get(k)]
+        extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
+        if not extending or check_extension is None:
             raise UserError(
                 f"{workdir} already holds a run with a different config (fields {', '.join(diff[:5])}); "
                 "use a new --workdir or the same config"
+                + ("; only a larger train.steps extends a run" if set(diff) <= set(EXTENDABLE) else "")
             )
+        check_extension(load_workdir_config(workdir), config)
+        if write:
+            paths.write_text(path, text)
         return
     if not write:
         return

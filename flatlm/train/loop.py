@@ -192,6 +192,19 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def check_extension(old, new) -> None:
+    """Extending a run (a larger `train.steps`) is exact only if the steps already trained would have used the same
+    learning rates: UserError unless the schedule of `new` equals that of `old` on steps 0..old.train.steps."""
+    steps = np.arange(old.train.steps + 1)
+    before, after = np.asarray(optim.schedule(old.train)(steps)), np.asarray(optim.schedule(new.train)(steps))
+    if not np.array_equal(before, after):
+        first = int(np.flatnonzero(before != after)[0])
+        raise UserError(f"raising train.steps from {old.train.steps} to {new.train.steps} changes the learning rate of "
+                        f"steps already trained (from step {first}: schedule={old.train.schedule}, warmup_frac="
+                        f"{old.train.warmup_frac} scale with train.steps); only a run with train.schedule=constant "
+                        "and train.warmup_frac=0 can be extended exactly: use a new --workdir")
+
+
 def train_and_evaluate(config, workdir: str, progress: bool = True, objective=None) -> dict:
     """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval.
 
@@ -199,7 +212,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     initialize_distributed(config)
     validate(config, jax.device_count())
     check_workdir(workdir)
-    config_lib.save_workdir_config(config, workdir, write=False)  # a different run there: refuse before building
+    config_lib.save_workdir_config(config, workdir, write=False,  # a different run there: refuse before building
+                                   check_extension=check_extension)
     created = not paths.path(workdir).exists()
     paths.path(workdir).mkdir(parents=True, exist_ok=True)
     try:
@@ -214,7 +228,7 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
 def _train(config, workdir: str, progress: bool, objective) -> dict:
     run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
     if jax.process_index() == 0:
-        config_lib.save_workdir_config(config, workdir)
+        config_lib.save_workdir_config(config, workdir, check_extension=check_extension)
     setup = train_setup(run)
     c = config
     pinned = ckpt.PinnedSteps(c.checkpoint.steps)
