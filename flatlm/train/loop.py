@@ -227,6 +227,9 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
 
 def _train(config, workdir: str, progress: bool, objective) -> dict:
     run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
+    if progress and jax.process_index() == 0:
+        print(f"flatlm: {jax.device_count()} {jax.default_backend()} device(s) on {jax.process_count()} process(es); "
+              f"mesh {dict(run.mesh.shape)}", file=sys.stderr)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir, check_extension=check_extension)
     setup = train_setup(run)
@@ -259,6 +262,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     bar = tqdm(total=c.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=not progress or jax.process_index() != 0, file=sys.stderr)
     t_last, steps_since = time.time(), 0
+    postfix: dict[str, str] = {}  # the bar's named fields: the training objective and the last exact eval
 
     def flush(entry):
         nonlocal t_last, steps_since
@@ -273,7 +277,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             metrics["train/steps_per_sec"] = steps_since / max(now - t_last, 1e-9)
             t_last, steps_since = now, 0
             writer.write(step, metrics)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", refresh=False)
+            postfix["train_objective"] = f"{metrics['train/loss']:.4f}"
+            bar.set_postfix(postfix, refresh=False)
 
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
@@ -297,7 +302,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                 writer.write(step, last_eval)
                 if jax.process_index() == 0:
                     convergence.update(step, last_eval["eval/kl"])
-                bar.set_postfix(loss=f"{last_eval['eval/loss']:.4f}", kl=f"{last_eval['eval/kl']:.2e}")
+                postfix.update(exact_loss=f"{last_eval['eval/loss']:.4f} nats", kl=f"{last_eval['eval/kl']:.2e} nats")
+                bar.set_postfix(postfix)
             if step % c.checkpoint.every == 0 or last or step in pinned.steps or preempt.requested:
                 if pending is not None:
                     flush(pending)
