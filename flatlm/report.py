@@ -1,15 +1,15 @@
-"""`flatlm report DIR...`: finished runs -> a markdown report with PNG plots.
+"""`flatlm report DIR...`: finished runs -> a markdown report with PNG and PDF plots (`flatlm.report_plots`).
 
-DIR may be a run workdir (config.json) or an experiment workdir (runs/*/). Plots: exact loss and log KL vs
-steps; downstream accuracy vs steps; accuracy vs model size at equal loss; Tr(H) vs accuracy with Spearman's
-rank correlation and a bootstrap 95% interval; and the Table 1/2 layout (mean ± std over seeds).
+DIR may be a run workdir (config.json) or an experiment workdir (runs/*/). Plots: exact loss and ln KL vs steps;
+downstream accuracy vs steps (mean ± std over pre-training seeds); accuracy vs model size at equal loss; each
+flatness estimator vs steps and vs accuracy with Spearman's rank correlation and a bootstrap 95% interval; and the
+Table 1/2 layout (mean ± std over seeds). Error bars wherever a std or standard error was measured.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,16 +17,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from scipy.stats import spearmanr
 
 from flatlm import paths
+from flatlm import report_plots as plots
 from flatlm import results as results_lib
 from flatlm.config import load_workdir_config
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 from flatlm.metrics import read_metrics
 from flatlm.models import make_model, model_config
+from flatlm.report_plots import SEED_SUFFIX, subplots  # noqa: F401 - public names of this module too
 
 
 @dataclass
@@ -139,12 +140,6 @@ def _pm(mean, std, scale=100.0, digits=1) -> str:
     return "-" if mean is None else f"{scale * mean:.{digits}f} ± {scale * (std or 0):.{digits}f}"
 
 
-def subplots(ncols: int = 1, figsize=(5.5, 4)):
-    """A pyplot-free figure and its axes (a 1-D array when ncols > 1, else one Axes)."""
-    fig = Figure(figsize=figsize)
-    return fig, fig.subplots(1, ncols)
-
-
 def make_report(dirs: list[str], out: str | None = None) -> Path:
     """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report)."""
     runs = find_runs(dirs)
@@ -163,57 +158,22 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     tasks = _tasks(runs)
     md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
 
-    # 1. exact loss and log KL vs steps
-    fig, (a, b) = subplots(2, figsize=(11, 4))
-    for r in runs:
-        s = [m["step"] for m in r.evals]
-        a.plot(s, [m["eval/loss"] for m in r.evals], "o-", ms=3, label=r.name)
-        b.plot(s, [m["eval/log_kl"] if isinstance(m["eval/log_kl"], float) else np.nan for m in r.evals], "o-",
-               ms=3, label=r.name)
-    if runs and runs[0].evals:
-        a.axhline(runs[0].evals[-1]["eval/entropy"], color="k", ls="--", lw=1, label="entropy (optimum)")
-    a.set(xlabel="step", ylabel="exact pre-training loss (nats)", title="loss = entropy + KL")
-    b.set(xlabel="step", ylabel="log KL", title="log KL(true || model)")
-    a.legend(fontsize=7)
-    _save(fig, out_dir / "loss_vs_steps.png")
-    md.append("## Pre-training loss\n\n![loss](loss_vs_steps.png)\n")
+    # 1. exact loss and ln KL vs steps
+    plots.save(plots.loss_vs_steps(runs), out_dir / "loss_vs_steps.png")
+    md.append("## Pre-training loss\n\n![loss](loss_vs_steps.png) ([pdf](loss_vs_steps.pdf))\n")
 
-    # 2. downstream accuracy vs steps
+    # 2. downstream accuracy vs steps: mean ± std over the pre-training seeds of each method
     if tasks:
-        fig, axes = subplots(len(tasks), figsize=(5 * len(tasks), 3.8))
-        for ax, t in zip(np.atleast_1d(axes), tasks):
-            for r in runs:
-                p = r.probe(t)
-                if p:
-                    s = sorted(p)
-                    ax.errorbar(s, [100 * p[k]["accuracy"] for k in s], [100 * p[k]["accuracy_std"] for k in s],
-                                fmt="o-", ms=3, capsize=2, label=r.name)
-            look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
-            if look:
-                ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
-            ax.set(xlabel="step", ylabel="probe accuracy (%)", title=f"task {t}")
-            ax.legend(fontsize=7)
-        _save(fig, out_dir / "accuracy_vs_steps.png")
-        md.append("## Downstream accuracy (linear probe)\n\n![accuracy](accuracy_vs_steps.png)\n")
+        plots.save(plots.accuracy_vs_steps(runs, tasks), out_dir / "accuracy_vs_steps.png")
+        md.append("## Downstream accuracy (linear probe; mean ± std over pre-training seeds)\n\n"
+                  "![accuracy](accuracy_vs_steps.png) ([pdf](accuracy_vs_steps.pdf))\n")
 
     # 3. accuracy vs model size at equal loss
     sized = [r for r in runs if r.num_params and r.probe()]
     if len({r.num_params for r in sized}) > 1:
-        fig, ax = subplots()
-        for t in tasks:
-            pts = sorted(((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t)),
-                         key=lambda p: p[0])  # runs of one size (seeds) tie on the size: never compare entries
-            ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
-                        [100 * e["accuracy_std"] for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
-        for r in sized:
-            if r.evals:
-                ax.annotate(f"L={r.evals[-1]['eval/loss']:.3f}", (r.num_params, 100 * r.probe()[max(r.probe())]
-                                                                  ["accuracy"]), fontsize=7)
-        ax.set(xscale="log", xlabel="parameters", ylabel="probe accuracy (%)", title="accuracy vs size")
-        ax.legend(fontsize=7)
-        _save(fig, out_dir / "accuracy_vs_size.png")
+        plots.save(plots.accuracy_vs_size(sized, tasks), out_dir / "accuracy_vs_size.png")
         md.append("## Accuracy vs model size (final checkpoints; exact loss annotated)\n\n"
-                  "![size](accuracy_vs_size.png)\n")
+                  "![size](accuracy_vs_size.png) ([pdf](accuracy_vs_size.pdf))\n")
 
     # 4a. flatness vs steps (Figure 3's panel): one plot per estimator, never two estimators on one axis
     ests = estimators(runs)
@@ -228,7 +188,7 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         ax.set(xlabel="step", ylabel=estimator_label(key), title="flatness along training")
         ax.legend(fontsize=7)
         name = _plot_name("trace_vs_steps", i)
-        _save(fig, out_dir / f"{name}.png")
+        plots.save(fig, out_dir / f"{name}.png")
         md.append(f"## {estimator_label(key)} along training\n\n![trace]({name}.png)\n")
 
     # 4. flatness vs accuracy with rank correlation, per estimator
@@ -238,19 +198,21 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
             fl = r.flatness(key)
             for step, e in r.probe(tasks[0] if tasks else None).items():
                 if step in fl:
-                    pairs.append((fl[step]["trace"], e["accuracy"], r.name))
+                    pairs.append((fl[step]["trace"], e["accuracy"], r.name, fl[step]["trace_stderr"],
+                                  e.get("accuracy_std", 0.0)))
         if len(pairs) < 3:
             continue
         rho, lo, hi = spearman_with_ci([p[0] for p in pairs], [p[1] for p in pairs])
         fig, ax = subplots()
         for run_name in sorted({p[2] for p in pairs}):
             pts = [p for p in pairs if p[2] == run_name]
-            ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=run_name, s=18)
+            ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], [100 * p[4] for p in pts],
+                        [p[3] for p in pts], fmt="o", ms=4, capsize=2, label=run_name)
         ax.set(xlabel=estimator_label(key), ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
                title=f"Spearman ρ = {rho:.2f} [{lo:.2f}, {hi:.2f}]")
         ax.legend(fontsize=7)
         name = _plot_name("flatness_vs_accuracy", i)
-        _save(fig, out_dir / f"{name}.png")
+        plots.save(fig, out_dir / f"{name}.png")
         md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
                   f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
 
@@ -295,7 +257,6 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 
 
-SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 
 
 def _last_value(entries: dict, key: str) -> float | None:
@@ -336,8 +297,3 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
 def _plot_name(stem: str, i: int) -> str:
     """The file stem of the i-th estimator's plot: `stem` for the first (the name earlier reports used)."""
     return stem if i == 0 else f"{stem}_{i + 1}"
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
