@@ -8,6 +8,10 @@ kind of row, however often the run was interrupted.
 In a bucket (gs://) nothing can be appended to an object: each row rewrites metrics.jsonl whole (the rows are kept
 in memory; a run logs a few thousand rows at most), and TensorBoard's event files are written to a local temporary
 folder and uploaded to `<workdir>/tensorboard` at most once a minute and on `close`.
+
+`log_results` puts the per-checkpoint measurements of results.json (probe, fine-tuning and lookup-table accuracy
+per task, each flatness estimator's trace) into TensorBoard too, under `<workdir>/tensorboard/results`, at the
+checkpoint's step; `flatlm.results.append` calls it for every entry it writes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 
 import numpy as np
 from tensorboardX import SummaryWriter
@@ -131,3 +136,32 @@ def read_metrics(workdir: str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def result_scalars(entry: dict) -> dict[str, float]:
+    """TensorBoard tags and values of one results.json entry: `probe/<task>/accuracy` (and `finetune/`,
+    `lookup_table/`), `flatness/<method>[_grown<L>x<d>]/trace`; {} for other kinds or entries without a step."""
+    kind, task = entry.get("kind"), entry.get("task")
+    if not isinstance(entry.get("step"), int):
+        return {}
+    if kind in ("probe", "finetune", "lookup_table") and task and isinstance(entry.get("accuracy"), float):
+        return {f"{kind}/{task}/accuracy": entry["accuracy"]}
+    if kind == "flatness" and isinstance(entry.get("trace"), float):
+        grown = entry.get("grown_to")
+        name = entry.get("method", "unknown") + (f"_grown{grown[0]}x{grown[1]}" if grown else "")
+        return {f"flatness/{name}/trace": entry["trace"]}
+    return {}
+
+
+def log_results(workdir: str, entries: list[dict]) -> None:
+    """Write the entries' `result_scalars` as TensorBoard scalars at their steps, into
+    `<workdir>/tensorboard/results` (a new event file per call; TensorBoard reads them all)."""
+    rows = [(e["step"], tag, v) for e in entries for tag, v in result_scalars(e).items()]
+    if not rows:
+        return
+    with paths.local_copy_dir(paths.path(workdir, "tensorboard", "results")) as folder:
+        writer = SummaryWriter(folder, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")  # event files
+        # are named by the second and host: two calls in one second would write the same file
+        for step, tag, v in rows:
+            writer.add_scalar(tag, v, step)
+        writer.close()

@@ -22,7 +22,7 @@ import json
 import math
 import time
 
-from flatlm import locks, paths
+from flatlm import locks, metrics, paths
 from flatlm.errors import UserError, disk_full_is_one_line
 
 IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
@@ -76,6 +76,9 @@ def append(workdir: str, entries: list[dict]) -> None:
         with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
                                    "its earlier results are intact"):
             paths.write_text(path, json.dumps({"results": kept + list(new.values())}, indent=1))
+    with disk_full_is_one_line(f"no space left on {path.parent} while writing TensorBoard events; results.json "
+                               "is written"):
+        metrics.log_results(workdir, list(new.values()))
 
 
 def latest(entries: list[dict], **match) -> dict | None:

@@ -80,7 +80,9 @@ def test_results_append_replace_in_bucket(fake_gcs_bucket):
                           {"kind": "probe", "step": 2, "task": "A", "accuracy": 0.9}])
     got = results.load(ROOT)
     assert [(e["step"], e["accuracy"]) for e in got] == [(1, 0.75), (2, 0.9)]
-    assert _keys(fake_gcs_bucket) == {"results.json"}  # no lock file, no temporary file in the bucket
+    keys = _keys(fake_gcs_bucket)  # no lock file, no temporary file in the bucket; TensorBoard events uploaded
+    assert {k for k in keys if not k.startswith("tensorboard/results/events.out.tfevents")} == {"results.json"}
+    assert len(keys) == 3  # one event file per append
 
 
 def test_metrics_rewrite_and_resume_truncation_in_bucket(fake_gcs_bucket):
