@@ -164,7 +164,14 @@ def _parse_value(text: str, current):
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> ml_collections.ConfigDict:
-    """Apply `--config.a.b=value` (or `a.b=value`) overrides in the absl style, type-checked."""
+    """Apply `--config.a.b=value` (or `a.b=value`) overrides in the absl style, type-checked.
+
+    Our own parser rather than `ml_collections.config_flags`: that one parses only through absl's flag registry
+    (a `DEFINE_config_file` flag that loads the file itself, then `FLAGS(argv)`), so it cannot be fed the overrides
+    argparse leaves over per verb nor the overrides stored in an experiment's runs, and its errors are absl's
+    multi-line usage dumps instead of one line naming the field with a suggestion. Values are read the way
+    config_flags reads them (a Python literal, else the string; the field's current type decides), and
+    ConfigDict's own type check stays the last word (`node[leaf] = value`)."""
     for item in overrides:
         key, eq, text = item.removeprefix("--").removeprefix("config.").partition("=")
         if not eq:
