@@ -128,3 +128,11 @@ def test_local_write_text_is_atomic(tmp_path):
     paths.write_text(target, "one")
     paths.write_text(target, "two", fsync=True)
     assert target.read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_probe_feature_cache_of_a_cloud_workdir_is_local(tmp_path):
+    from flatlm.evaluate.runner import feature_cache_dir
+
+    assert feature_cache_dir(str(tmp_path)) == str(tmp_path / "features")
+    a, b = feature_cache_dir(ROOT), feature_cache_dir("gs://bucket/other")
+    assert a != b and "://" not in a and a.startswith(os.path.expanduser("~"))
