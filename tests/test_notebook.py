@@ -56,7 +56,8 @@ def test_quickstart_in_a_fresh_venv(tmp_path, monkeypatch):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "ipykernel"], check=True)  # the kernel, nothing of flatlm
-    assert subprocess.run([py, "-c", "import flatlm"], capture_output=True).returncode != 0
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert subprocess.run([py, "-c", "import flatlm"], capture_output=True, cwd=tmp_path, env=env).returncode != 0
     subprocess.run([py, "-m", "ipykernel", "install", "--prefix", str(tmp_path / "kernel"), "--name",
                     "flatlm-fresh"], check=True, capture_output=True)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "kernel" / "share" / "jupyter"))
