@@ -18,15 +18,14 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
-from pathlib import Path
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
+from flatlm import paths
 from flatlm.config import check_positive
 from flatlm.errors import DiskFull, UserError, disk_full_is_one_line, is_disk_full
 
@@ -40,7 +39,7 @@ DAMAGE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)
 class DamagedCheckpoint(RuntimeError):
     """A checkpoint failed its checksums or orbax's checks while being restored; it has been moved aside."""
 
-    def __init__(self, step: int, reason: str, moved_to: Path):
+    def __init__(self, step: int, reason: str, moved_to: paths.Path):
         self.step, self.reason, self.moved_to = step, reason, moved_to
         super().__init__(f"checkpoint {step} is damaged ({reason}); moved to {moved_to}")
 
@@ -78,35 +77,34 @@ def manager(workdir: str, keep: int = 3, pinned: PinnedSteps | None = None,
         enable_async_checkpointing=False,  # a step folder is committed (renamed) before training goes on
     )
     return ocp.CheckpointManager(
-        Path(workdir, "checkpoints").absolute(), options=options,
+        paths.local_path(paths.path(workdir, "checkpoints")), options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
     )
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+def _sha256(path) -> str:
+    with paths.path(path).open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_manifest(step_dir: Path) -> None:
+def _size(path) -> int:
+    return paths.path(path).stat().length
+
+
+def write_manifest(step_dir) -> None:
     """Record the size and sha256 of every file of a committed step folder in `<step_dir>/flatlm_sha256.json`,
-    atomically (a temporary file, fsync, rename)."""
-    files = {p.relative_to(step_dir).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    tmp = step_dir / f".{MANIFEST}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"version": 1, "files": files}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, step_dir / MANIFEST)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomically (a temporary file, fsync, rename; in a bucket one upload)."""
+    step_dir = paths.path(step_dir)
+    root = os.fspath(step_dir).rstrip("/") + "/"
+    files = {os.fspath(p)[len(root):]: {"size": _size(p), "sha256": _sha256(p)}
+             for p in paths.files_under(step_dir) if p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")}
+    paths.write_text(step_dir / MANIFEST, json.dumps({"version": 1, "files": files}), fsync=True)
 
 
-def check_files(step_dir: Path, skip: str | None = None) -> tuple[str | None, bool]:
+def check_files(step_dir, skip: str | None = None) -> tuple[str | None, bool]:
     """(why `step_dir`'s files differ from its checksums, or None; whether it has checksums at all). Files under
     `skip` (e.g. "data/") are not checked. Files added after the checksums were written are ignored."""
+    step_dir = paths.path(step_dir)
     path = step_dir / MANIFEST
     if not path.exists():
         return None, False
@@ -122,26 +120,26 @@ def check_files(step_dir: Path, skip: str | None = None) -> tuple[str | None, bo
         if "/" in rel and not (step_dir / top).is_dir():
             return f"{top}/ is missing", True
         p = step_dir / rel
-        if not p.is_file():
+        if not p.exists() or p.is_dir():
             return f"{rel} is missing", True
-        if p.stat().st_size != size:
-            return f"{rel} has {p.stat().st_size} bytes, {size} were written", True
+        if _size(p) != size:
+            return f"{rel} has {_size(p)} bytes, {size} were written", True
         if _sha256(p) != digest:
             return f"{rel} does not match its checksum", True
     return None, True
 
 
-def move_aside(workdir, step: int) -> Path:
+def move_aside(workdir, step: int) -> paths.Path:
     """Move `<workdir>/checkpoints/<step>` to `<workdir>/checkpoints_damaged/<step>` (`<step>.2`, ... if taken);
     process 0 moves, every process gets the destination."""
-    root = Path(workdir, DAMAGED).absolute()
+    root = paths.local_path(paths.path(workdir, DAMAGED))
     dest, n = root / str(step), 1
     while dest.exists():
         n += 1
         dest = root / f"{step}.{n}"
     if jax.process_index() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        os.replace(Path(workdir, "checkpoints", str(step)), dest)
+        paths.path(workdir, "checkpoints", str(step)).rename(dest)
     return dest
 
 
@@ -165,7 +163,7 @@ def _verified(workdir, step: int, load, skip: str | None = None):
     """`load()` of checkpoint `step` after checking its checksums. On damage (checksums, or orbax's checks when
     there are no checksums) move the step aside and raise DamagedCheckpoint. An orbax error on files that match
     their checksums is not damage: it propagates."""
-    step_dir = Path(workdir, "checkpoints", str(step))
+    step_dir = paths.path(workdir, "checkpoints", str(step))
     if not step_dir.is_dir():
         raise UserError(f"{workdir} has no checkpoint {step} (it has steps {all_steps(workdir) or 'none'})")
     reason, has_checksums = check_files(step_dir, skip)
@@ -215,13 +213,14 @@ class _DropDiskFullLogs(logging.Filter):
 _DROP_DISK_FULL_LOGS = _DropDiskFullLogs()
 
 
-def _clean_up_failed_save(directory: Path, step: int) -> None:
+def _clean_up_failed_save(directory, step: int) -> None:
     """Wait for the writes of a failed save that are still under way, then remove its temporary folder."""
     for thread in threading.enumerate():
         if type(thread).__module__.startswith("orbax") and thread is not threading.current_thread():
             thread.join(timeout=60)
-    for tmp in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in paths.path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
+        with contextlib.suppress(OSError):
+            tmp.rmtree()
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, force: bool = True) -> None:
@@ -230,7 +229,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, forc
     items = {"state": ocp.args.StandardSave(state)}
     if data_iterator is not None:
         items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-    directory = Path(mngr.directory)
+    directory = paths.path(mngr.directory)
     for name in ("absl", "asyncio"):  # orbax logs each failed write, asyncio each unretrieved one (later, at exit)
         if _DROP_DISK_FULL_LOGS not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(_DROP_DISK_FULL_LOGS)
@@ -260,7 +259,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterato
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iterator=None) -> tuple[dict | None, int]:
     """(state, step) of the newest checkpoint that verifies, with the iterator restored in place; (None, 0) if
     there is none. Each damaged newer step is moved aside and reported in one line on stderr."""
-    workdir = Path(mngr.directory).parent
+    workdir = paths.path(mngr.directory).parent
     damaged: list[DamagedCheckpoint] = []
     state, start, done = None, 0, False
     try:
@@ -289,7 +288,7 @@ def restore_params(workdir: str, step: int, abstract_params):
     raised, so no evaluator reads it."""
 
     def load():
-        mngr = ocp.CheckpointManager(Path(workdir, "checkpoints").absolute(),
+        mngr = ocp.CheckpointManager(paths.local_path(paths.path(workdir, "checkpoints")),
                                      options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
         target = {"params": abstract_params}
@@ -306,6 +305,6 @@ def restore_params(workdir: str, step: int, abstract_params):
 
 def all_steps(workdir: str) -> list[int]:
     """Steps with a committed checkpoint in `workdir`, ascending ([] if none)."""
-    if not Path(workdir, "checkpoints").exists():
+    if not paths.path(workdir, "checkpoints").exists():
         return []
     return sorted(manager(workdir, read_only=True).all_steps())

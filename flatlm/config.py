@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ml_collections
 
+from flatlm import paths
 from flatlm.errors import UserError
 
 
@@ -172,7 +173,14 @@ def _parse_value(text: str, current):
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> ml_collections.ConfigDict:
-    """Apply `--config.a.b=value` (or `a.b=value`) overrides in the absl style, type-checked."""
+    """Apply `--config.a.b=value` (or `a.b=value`) overrides in the absl style, type-checked.
+
+    Our own parser rather than `ml_collections.config_flags`: that one parses only through absl's flag registry
+    (a `DEFINE_config_file` flag that loads the file itself, then `FLAGS(argv)`), so it cannot be fed the overrides
+    argparse leaves over per verb nor the overrides stored in an experiment's runs, and its errors are absl's
+    multi-line usage dumps instead of one line naming the field with a suggestion. Values are read the way
+    config_flags reads them (a Python literal, else the string; the field's current type decides), and
+    ConfigDict's own type check stays the last word (`node[leaf] = value`)."""
     for item in overrides:
         key, eq, text = item.removeprefix("--").removeprefix("config.").partition("=")
         if not eq:
@@ -227,12 +235,20 @@ def check_positive(section, prefix: str, *names: str) -> None:
 # ---------------------------------------------------------------- workdir
 
 
-def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
+EXTENDABLE = ("train.steps",)  # fields a run may change on resume, and only upwards: see save_workdir_config
+
+
+def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True,
+                        check_extension=None) -> None:
     """Write `config.json` atomically; refuse to mix a different config into an existing run.
 
     `write=False` only checks, so a run can refuse before it builds anything and write once all checks passed.
+    Raising `train.steps` (`EXTENDABLE`) extends a run: allowed when `check_extension(old, new)` (ConfigDicts of
+    the stored and the new config) accepts it, i.e. raises no UserError; the trainer's check asks that the steps
+    already trained would have been trained the same way (the learning-rate schedule over them is unchanged).
+    config.json then records the new total.
     """
-    path = Path(workdir) / "config.json"
+    path = paths.path(workdir, "config.json")
     config = without_launch_fields(config)
     text = config.to_json_best_effort(indent=2, sort_keys=True)
     if path.exists():
@@ -240,19 +256,25 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         new = json.loads(text)
         old.pop("config_spec", None)
         new.pop("config_spec", None)
-        if old != new:
-            diff = [k for k in _flat(new) if _flat(new).get(k) != _flat(old).get(k)]
+        if old == new:
+            return
+        flat_old, flat_new = _flat(old), _flat(new)
+        diff = [k for k in sorted(set(flat_new) | set(flat_old)) if flat_new.get(k) != flat_old.get(k)]
+        extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
+        if not extending or check_extension is None:
             raise UserError(
                 f"{workdir} already holds a run with a different config (fields {', '.join(diff[:5])}); "
                 "use a new --workdir or the same config"
+                + ("; only a larger train.steps extends a run" if set(diff) <= set(EXTENDABLE) else "")
             )
+        check_extension(load_workdir_config(workdir), config)
+        if write:
+            paths.write_text(path, text)
         return
     if not write:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    paths.write_text(path, text)
 
 
 LAUNCH_FIELDS = {"coordinator_address": "", "num_processes": 0, "process_id": -1}  # of `mesh`: how, not what
@@ -281,7 +303,7 @@ def _flat(d, prefix=""):
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config stored in a workdir's config.json, merged over `base_config()`."""
-    path = Path(workdir) / "config.json"
+    path = paths.path(workdir, "config.json")
     if not path.exists():
         raise UserError(f"{workdir} is not a flatlm run (no config.json); pass the --workdir of a `flatlm train`")
     data = _read_json(path)
@@ -291,7 +313,7 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     return base
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path) -> dict:
     """A workdir's config.json, or one line saying it is damaged."""
     try:
         data = json.loads(path.read_text())

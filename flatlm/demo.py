@@ -9,10 +9,10 @@ the Hessian (flatness). Everything is written to the workdir.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import ml_collections
 
+from flatlm import paths
 from flatlm import results as results_lib
 from flatlm.config import base_config
 from flatlm.evaluate.runner import evaluate_run
@@ -50,9 +50,9 @@ def run(workdir: str, steps: int = 0, progress: bool = True, flatness: bool = Tr
     if not any(e["kind"] == "probe" for e in have):
         evaluate_run(workdir, progress=progress)
     else:  # a rerun: only what is missing
-        evaluate_pending(Path(workdir), progress)
+        evaluate_pending(paths.path(workdir), progress)
     if flatness:
-        flatness_pending(Path(workdir), ml_collections.ConfigDict(dict(
+        flatness_pending(paths.path(workdir), ml_collections.ConfigDict(dict(
             method="fisher", num_probes=0, num_batches=2, batch_size=64, draws=8, grow_to=())), progress)
     return summary(workdir, config)
 

@@ -22,8 +22,9 @@ import ml_collections
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
-from flatlm import locks
+from flatlm import locks, paths
 from flatlm import results as results_lib
+from flatlm import run as run_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run
 from flatlm.flatness.runner import flatness_run
@@ -104,7 +105,7 @@ def _done(run_dir: Path, final_step: int) -> bool:
         return False
     if final_step in ckpt.all_steps(str(run_dir)):
         return True
-    os.replace(marker, run_dir / "DONE.stale")
+    marker.replace(run_dir / "DONE.stale")
     print(f"{run_dir}: DONE marker without the step-{final_step} checkpoint; resuming the run", file=sys.stderr)
     return False
 
@@ -112,9 +113,7 @@ def _done(run_dir: Path, final_step: int) -> bool:
 def _mark_done(run_dir: Path, final_step: int, info: dict) -> None:
     if final_step not in ckpt.all_steps(str(run_dir)):  # never mark unfinished work finished
         raise RuntimeError(f"{run_dir} has no checkpoint at its final step {final_step}; not marking it done")
-    tmp = run_dir / ".DONE.tmp"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, run_dir / "DONE")
+    paths.write_text(run_dir / "DONE", json.dumps(info))
 
 
 def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[int]:
@@ -123,33 +122,56 @@ def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[
     return [s for s in steps if s not in have]
 
 
-def run_experiment(exp, workdir: str, progress: bool = True) -> dict:
-    """Train, evaluate and measure every run; returns {run name: status}. Holds the experiment dir's lock
-    (`flatlm.locks.exclusive`): a second `flatlm experiment` on it stops with one line."""
+def select_runs(exp, names: tuple[str, ...]) -> list[dict]:
+    """The runs of `exp` named in `names` (all if empty), in the experiment's order; UserError for an unknown name."""
+    known = [r["name"] for r in exp.runs]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"experiment {exp.name} has no run {unknown[0]!r}; its runs: {', '.join(known)} "
+                        "(flatlm experiment --list)")
+    return [r for r in exp.runs if not names or r["name"] in names]
+
+
+def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ...] = ()) -> dict:
+    """Train, evaluate and measure every run (or the runs named in `only`); returns {run name: status}.
+
+    The whole experiment holds the experiment dir's lock (`flatlm.locks.exclusive`): a second `flatlm experiment`
+    on it stops with one line. With `only` (one job per run, e.g. `launch/tpu.sh experiment`) jobs of other runs
+    may run beside it: each run's own workdir lock keeps two jobs off one run."""
     validate_experiment(exp)
-    root = Path(workdir)
+    selected = select_runs(exp, tuple(only))
+    root = paths.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
+    if only:
+        with locks.waiting(root / ".experiment.lock", f"writing {exp.name}'s experiment.json"):
+            _write_spec(exp, root, workdir)
+        return _run_experiment(exp, root, selected, progress)
     with locks.exclusive(root, f"running experiment {exp.name}"):
-        return _run_experiment(exp, root, workdir, progress)
+        _write_spec(exp, root, workdir)
+        return _run_experiment(exp, root, selected, progress)
 
 
-def _run_experiment(exp, root: Path, workdir: str, progress: bool) -> dict:
+def _write_spec(exp, root, workdir: str) -> None:
     spec = root / "experiment.json"
     text = exp.to_json_best_effort(indent=1, sort_keys=True)
     if spec.exists() and json.loads(spec.read_text()) != json.loads(text):
         raise UserError(f"{workdir} holds a different experiment; use a new --workdir")
-    spec.write_text(text)
+    paths.write_text(spec, text)
+
+
+def _run_experiment(exp, root, selected: list[dict], progress: bool) -> dict:
     status = {}
-    for i, run in enumerate(exp.runs):
+    for i, run in enumerate(selected):
         run_dir = root / "runs" / run["name"]
         config = run_config(exp, run)
         if _done(run_dir, config.train.steps):
             status[run["name"]] = "done earlier"
             continue
         if progress:
-            print(f"[{i + 1}/{len(exp.runs)}] {exp.name}/{run['name']}", file=sys.stderr)
+            print(f"[{i + 1}/{len(selected)}] {exp.name}/{run['name']}", file=sys.stderr)
         if not config.data.data_dir:  # one copy of each corpus / task split for all runs (keyed by content hash)
-            config.data.data_dir = str(root.resolve() / "data")
+            config.data.data_dir = run_lib.data_dir(config, os.path.abspath(root) if not paths.is_cloud(root)
+                                                    else os.fspath(root))
         t0 = time.time()
         train_and_evaluate(config, str(run_dir), progress=progress)
         if exp.evaluate:

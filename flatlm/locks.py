@@ -13,8 +13,12 @@ of the process are treated as other processes are; a child forked while a lock i
 
 The holder writes {"pid", "what"} into the lock file; the file is only ever read for messages. The OS releases
 a lock when its holder dies (even by SIGKILL), so a stale pid left in a file never blocks anyone. Lock files
-live next to what they protect and are not results. Paths with a scheme (`gs://...`) cannot be flock-ed and are
-not locked.
+live next to what they protect and are not results.
+
+A workdir in a bucket (gs://, s3://) has no lock: flock works on a local file system only, and an object store has
+no primitive that a killed holder releases. `exclusive` then logs one warning that it cannot keep a second writer
+out, and `waiting` does nothing, so on a cloud workdir the rule "one writer per workdir" is the user's to keep
+(e.g. one job per run, as `launch/tpu.sh` starts them); two writers there can lose each other's results entries.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import sys
 import threading
@@ -44,6 +49,7 @@ class _Held:
 
 _registry_guard = threading.Lock()
 _held: dict[str, _Held] = {}  # lock file (absolute) -> this process's hold on it
+_warned: set[str] = set()  # cloud workdirs already warned about (once per process)
 
 
 def holder(path) -> tuple[int, str] | None:
@@ -119,7 +125,15 @@ def exclusive(directory, what: str, enabled: bool = True) -> Iterator[None]:
     `what` says what the holder does ("training", "evaluating", ...); the other process's message names it.
     `enabled=False` (e.g. on processes other than 0 of a multi-host run) takes no lock.
     """
-    if not enabled or not _local(directory):
+    if not enabled:
+        yield
+        return
+    if not _local(directory):
+        if os.fspath(directory) not in _warned:
+            _warned.add(os.fspath(directory))
+            logging.getLogger("flatlm").warning(
+                "flatlm: %s is in a bucket, which has no file locks: nothing stops a second process from writing "
+                "there too; run one writer per workdir", directory)
         yield
         return
     path = Path(directory, LOCK)

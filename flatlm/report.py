@@ -1,16 +1,15 @@
-"""`flatlm report DIR...`: finished runs -> a markdown report with PNG plots.
+"""`flatlm report DIR...`: finished runs -> a markdown report with PNG and PDF plots (`flatlm.report_plots`).
 
-DIR may be a run workdir (config.json) or an experiment workdir (runs/*/). Plots: exact loss and log KL vs
-steps; downstream accuracy vs steps; accuracy vs model size at equal loss; Tr(H) vs accuracy with Spearman's
-rank correlation and a bootstrap 95% interval; and the Table 1/2 layout (mean ± std over seeds).
+DIR may be a run workdir (config.json) or an experiment workdir (runs/*/). Plots: exact loss and ln KL vs steps;
+downstream accuracy vs steps (mean ± std over pre-training seeds); accuracy vs model size at equal loss; each
+flatness estimator vs steps and vs accuracy with Spearman's rank correlation and a bootstrap 95% interval; and the
+Table 1/2 layout (mean ± std over seeds). Error bars wherever a std or standard error was measured.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,22 +17,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from scipy.stats import spearmanr
 
+from flatlm import paths
+from flatlm import report_plots as plots
 from flatlm import results as results_lib
 from flatlm.config import load_workdir_config
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 from flatlm.metrics import read_metrics
 from flatlm.models import make_model, model_config
+from flatlm.report_plots import SEED_SUFFIX, subplots  # noqa: F401 - public names of this module too
 
 
 @dataclass
 class RunData:
     """One run as the report sees it: its config, exact-loss evals (metrics.jsonl) and results.json entries."""
     name: str
-    path: Path
+    path: paths.Path
     config: dict
     evals: list[dict]
     results: list[dict]
@@ -49,15 +50,51 @@ class RunData:
         return out
 
     def by_kind(self, kind: str) -> dict:
-        """step -> latest results entry of `kind` (e.g. "exact_loss", "flatness")."""
+        """step -> latest results entry of `kind` (e.g. "exact_loss"). Not for "flatness": see `flatness`."""
         return {e["step"]: e for e in self.results if e["kind"] == kind}
+
+    def flatness(self, estimator: tuple) -> dict:
+        """step -> latest flatness entry of one estimator (`estimator_key`): traces of different estimators
+        (the Hessian's, the Fisher's, the empirical Fisher's) are different quantities and are never mixed."""
+        return {e["step"]: e for e in self.results if e["kind"] == "flatness" and estimator_key(e) == estimator}
+
+
+# What each flatness method measures (flatlm.flatness.compare.measure); a report names every value by its estimator
+ESTIMATOR_LABELS = {
+    "exact": "Tr(H) exact",
+    "hutchinson": "Tr(H) Hutchinson",
+    "fisher": "Tr(F) Fisher, sampled labels",
+    "hutchpp": "Tr(F) Fisher, Hutch++",
+    "empirical_fisher": "Tr(empirical Fisher), true labels",
+}
+
+
+def estimator_key(entry: dict) -> tuple:
+    """(method, grown_to) of a flatness entry: what makes two traces comparable."""
+    grown = entry.get("grown_to")
+    return entry.get("method", "?"), tuple(grown) if grown else None
+
+
+def estimator_label(key: tuple) -> str:
+    """A column / axis name for an estimator, e.g. "Tr(H) Hutchinson" or "Tr(F) Fisher, sampled labels (grown to
+    4x256)"."""
+    method, grown = key
+    label = ESTIMATOR_LABELS.get(method, f"trace ({method})")
+    return f"{label} (grown to {grown[0]}x{grown[1]})" if grown else label
+
+
+def estimators(runs: list[RunData]) -> list[tuple]:
+    """Every flatness estimator measured in `runs`, in a fixed order."""
+    keys = {estimator_key(e) for r in runs for e in r.results if e["kind"] == "flatness"}
+    order = list(ESTIMATOR_LABELS)
+    return sorted(keys, key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1] or ()))
 
 
 def find_runs(dirs: list[str]) -> list[RunData]:
     """The runs under each dir: the dir itself if it is a run, else its experiment's runs/* in run order."""
     runs = []
     for d in dirs:
-        p = Path(d)
+        p = paths.path(d)
         candidates = [p] if (p / "config.json").exists() else sorted(x.parent for x in p.glob("runs/*/config.json"))
         if (p / "experiment.json").exists():  # the experiment's own run order
             order = [r["name"] for r in json.loads((p / "experiment.json").read_text()).get("runs", [])]
@@ -82,7 +119,11 @@ def param_count(run: RunData) -> int | None:
 
 
 def spearman_with_ci(x, y, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Spearman's rho and a percentile bootstrap 95% interval (pairs resampled)."""
+    """Spearman's rho and a percentile bootstrap 95% interval (pairs resampled).
+
+    Our own loop, not `scipy.stats.bootstrap(paired=True, method="percentile")`: a resample whose x or y is
+    constant has no rank correlation (NaN), and scipy then returns a NaN interval (checked: scipy 1.17, 5 points);
+    this loop drops such resamples, so small sets of checkpoints still get an interval."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     rho = float(spearmanr(x, y).statistic)
     rng = np.random.default_rng(seed)
@@ -103,12 +144,6 @@ def _pm(mean, std, scale=100.0, digits=1) -> str:
     return "-" if mean is None else f"{scale * mean:.{digits}f} ± {scale * (std or 0):.{digits}f}"
 
 
-def subplots(ncols: int = 1, figsize=(5.5, 4)):
-    """A pyplot-free figure and its axes (a 1-D array when ncols > 1, else one Axes)."""
-    fig = Figure(figsize=figsize)
-    return fig, fig.subplots(1, ncols)
-
-
 def make_report(dirs: list[str], out: str | None = None) -> Path:
     """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report)."""
     runs = find_runs(dirs)
@@ -117,101 +152,77 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
             r.num_params = param_count(r)
         except Exception:  # noqa: BLE001 - a run whose config no longer builds still gets its curves
             r.num_params = None
-    out_dir = Path(out or Path(dirs[0]) / "report")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    target = paths.path(out or paths.path(dirs[0], "report"))
+    with paths.local_copy_dir(target) as local:  # matplotlib writes local files; a bucket gets them uploaded
+        _write_report(runs, dirs, Path(local))
+    return target / "report.md"
+
+
+def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     tasks = _tasks(runs)
     md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
 
-    # 1. exact loss and log KL vs steps
-    fig, (a, b) = subplots(2, figsize=(11, 4))
-    for r in runs:
-        s = [m["step"] for m in r.evals]
-        a.plot(s, [m["eval/loss"] for m in r.evals], "o-", ms=3, label=r.name)
-        b.plot(s, [m["eval/log_kl"] if isinstance(m["eval/log_kl"], float) else np.nan for m in r.evals], "o-",
-               ms=3, label=r.name)
-    if runs and runs[0].evals:
-        a.axhline(runs[0].evals[-1]["eval/entropy"], color="k", ls="--", lw=1, label="entropy (optimum)")
-    a.set(xlabel="step", ylabel="exact pre-training loss (nats)", title="loss = entropy + KL")
-    b.set(xlabel="step", ylabel="log KL", title="log KL(true || model)")
-    a.legend(fontsize=7)
-    _save(fig, out_dir / "loss_vs_steps.png")
-    md.append("## Pre-training loss\n\n![loss](loss_vs_steps.png)\n")
+    # 1. exact loss and ln KL vs steps
+    plots.save(plots.loss_vs_steps(runs), out_dir / "loss_vs_steps.png")
+    md.append("## Pre-training loss\n\n![loss](loss_vs_steps.png) ([pdf](loss_vs_steps.pdf))\n")
 
-    # 2. downstream accuracy vs steps
+    # 2. downstream accuracy vs steps: mean ± std over the pre-training seeds of each method
     if tasks:
-        fig, axes = subplots(len(tasks), figsize=(5 * len(tasks), 3.8))
-        for ax, t in zip(np.atleast_1d(axes), tasks):
-            for r in runs:
-                p = r.probe(t)
-                if p:
-                    s = sorted(p)
-                    ax.errorbar(s, [100 * p[k]["accuracy"] for k in s], [100 * p[k]["accuracy_std"] for k in s],
-                                fmt="o-", ms=3, capsize=2, label=r.name)
-            look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
-            if look:
-                ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
-            ax.set(xlabel="step", ylabel="probe accuracy (%)", title=f"task {t}")
-            ax.legend(fontsize=7)
-        _save(fig, out_dir / "accuracy_vs_steps.png")
-        md.append("## Downstream accuracy (linear probe)\n\n![accuracy](accuracy_vs_steps.png)\n")
+        plots.save(plots.accuracy_vs_steps(runs, tasks), out_dir / "accuracy_vs_steps.png")
+        md.append("## Downstream accuracy (linear probe; mean ± std over pre-training seeds)\n\n"
+                  "![accuracy](accuracy_vs_steps.png) ([pdf](accuracy_vs_steps.pdf))\n")
 
     # 3. accuracy vs model size at equal loss
     sized = [r for r in runs if r.num_params and r.probe()]
     if len({r.num_params for r in sized}) > 1:
-        fig, ax = subplots()
-        for t in tasks:
-            pts = sorted(((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t)),
-                         key=lambda p: p[0])  # runs of one size (seeds) tie on the size: never compare entries
-            ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
-                        [100 * e["accuracy_std"] for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
-        for r in sized:
-            if r.evals:
-                ax.annotate(f"L={r.evals[-1]['eval/loss']:.3f}", (r.num_params, 100 * r.probe()[max(r.probe())]
-                                                                  ["accuracy"]), fontsize=7)
-        ax.set(xscale="log", xlabel="parameters", ylabel="probe accuracy (%)", title="accuracy vs size")
-        ax.legend(fontsize=7)
-        _save(fig, out_dir / "accuracy_vs_size.png")
+        plots.save(plots.accuracy_vs_size(sized, tasks), out_dir / "accuracy_vs_size.png")
         md.append("## Accuracy vs model size (final checkpoints; exact loss annotated)\n\n"
-                  "![size](accuracy_vs_size.png)\n")
+                  "![size](accuracy_vs_size.png) ([pdf](accuracy_vs_size.pdf))\n")
 
-    # 4a. Tr(H) vs steps (Figure 3's panel)
-    traced = [r for r in runs if r.by_kind("flatness")]
-    if traced:
+    # 4a. flatness vs steps (Figure 3's panel): one plot per estimator, never two estimators on one axis
+    ests = estimators(runs)
+    for i, key in enumerate(ests):
         fig, ax = subplots()
-        for r in traced:
-            fl = r.by_kind("flatness")
+        for r in runs:
+            fl = r.flatness(key)
             s = sorted(fl)
-            ax.errorbar(s, [fl[k]["trace"] for k in s], [fl[k]["trace_stderr"] for k in s], fmt="o-", ms=3,
-                        capsize=2, label=r.name)
-        methods = sorted({e.get("method", "?") for r in traced for e in r.by_kind("flatness").values()})
-        ax.set(xlabel="step", ylabel=f"Tr(H), estimator: {', '.join(methods)}", title="flatness along training")
+            if s:
+                ax.errorbar(s, [fl[k]["trace"] for k in s], [fl[k]["trace_stderr"] for k in s], fmt="o-", ms=3,
+                            capsize=2, label=r.name)
+        ax.set(xlabel="step", ylabel=estimator_label(key), title="flatness along training")
         ax.legend(fontsize=7)
-        _save(fig, out_dir / "trace_vs_steps.png")
-        md.append("## Tr(H) along training\n\n![trace](trace_vs_steps.png)\n")
+        name = _plot_name("trace_vs_steps", i)
+        plots.save(fig, out_dir / f"{name}.png")
+        md.append(f"## {estimator_label(key)} along training\n\n![trace]({name}.png)\n")
 
-    # 4. Tr(H) vs accuracy with rank correlation
-    pairs = []
-    for r in runs:
-        fl = r.by_kind("flatness")
-        for step, e in r.probe(tasks[0] if tasks else None).items():
-            if step in fl:
-                pairs.append((fl[step]["trace"], e["accuracy"], r.name))
-    if len(pairs) >= 3:
+    # 4. flatness vs accuracy with rank correlation, per estimator
+    for i, key in enumerate(ests):
+        pairs = []
+        for r in runs:
+            fl = r.flatness(key)
+            for step, e in r.probe(tasks[0] if tasks else None).items():
+                if step in fl:
+                    pairs.append((fl[step]["trace"], e["accuracy"], r.name, fl[step]["trace_stderr"],
+                                  e.get("accuracy_std", 0.0)))
+        if len(pairs) < 3:
+            continue
         rho, lo, hi = spearman_with_ci([p[0] for p in pairs], [p[1] for p in pairs])
         fig, ax = subplots()
-        for name in sorted({p[2] for p in pairs}):
-            pts = [p for p in pairs if p[2] == name]
-            ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], label=name, s=18)
-        ax.set(xlabel="Tr(H)", ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
+        for run_name in sorted({p[2] for p in pairs}):
+            pts = [p for p in pairs if p[2] == run_name]
+            ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], [100 * p[4] for p in pts],
+                        [p[3] for p in pts], fmt="o", ms=4, capsize=2, label=run_name)
+        ax.set(xlabel=estimator_label(key), ylabel=f"probe accuracy (%), task {tasks[0] if tasks else ''}",
                title=f"Spearman ρ = {rho:.2f} [{lo:.2f}, {hi:.2f}]")
         ax.legend(fontsize=7)
-        _save(fig, out_dir / "flatness_vs_accuracy.png")
-        md.append(f"## Flatness vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval [{lo:.3f}, {hi:.3f}]"
-                  f" over {len(pairs)} checkpoints.\n\n![flatness](flatness_vs_accuracy.png)\n")
+        name = _plot_name("flatness_vs_accuracy", i)
+        plots.save(fig, out_dir / f"{name}.png")
+        md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
+                  f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
 
     # 5. Table 1/2 layout: last checkpoint of every run, plus the lookup table
     header = ["run", "params", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-             [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+             [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
     rows = []
     for r in runs:
         ex = r.by_kind("exact_loss")
@@ -224,11 +235,11 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
         for t in tasks:
             f = {e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t}
             ft_cells.append(_pm(f[max(f)]["accuracy"], f[max(f)]["accuracy_std"]) if f else "-")
-        fl = r.by_kind("flatness")
-        tr = f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
+        tr = [f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
+              for fl in (r.flatness(k) for k in ests)]
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
         kl = f"{ex[last]['kl']:.2e}" if last is not None else "-"
-        rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, tr])
+        rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, *tr])
     for t in tasks:
         look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
         if look:
@@ -236,25 +247,20 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
             cells[tasks.index(t)] = _pm(look[-1]["accuracy"], look[-1]["accuracy_std"])
             ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
             rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
-                         *(["-"] * len(tasks)), "-"])
+                         *(["-"] * len(tasks)), *(["-"] * len(ests))])
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]
     seed_rows = seed_table(runs, tasks)
     if seed_rows:
         head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-               [f"fine-tune {t} (%)" for t in tasks] + ["Tr(H)"]
+               [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
-    path = out_dir / "report.md"
-    tmp = out_dir / ".report.md.tmp"
-    tmp.write_text("\n".join(md) + "\n")
-    os.replace(tmp, path)
-    return path
+    paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 
 
-SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 
 
 def _last_value(entries: dict, key: str) -> float | None:
@@ -263,7 +269,8 @@ def _last_value(entries: dict, key: str) -> float | None:
 
 def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
     """Rows of mean ± std over pre-training seeds for runs named `<name>-seed<k>` (groups of >= 2 runs): the
-    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and Tr(H)."""
+    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and one
+    flatness column per estimator (`estimators`)."""
     groups: dict[str, list[RunData]] = {}
     for r in runs:
         m = SEED_SUFFIX.match(r.name)
@@ -285,11 +292,12 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
         row += [cell([_last_value(r.probe(t), "accuracy") for r in members], pct) for t in tasks]
         row += [cell([_last_value({e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t},
                                   "accuracy") for r in members], pct) for t in tasks]
-        row.append(cell([_last_value(r.by_kind("flatness"), "trace") for r in members], lambda x: f"{x:.4g}"))
+        row += [cell([_last_value(r.flatness(k), "trace") for r in members], lambda x: f"{x:.4g}")
+                for k in estimators(runs)]
         rows.append(row)
     return rows
 
 
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _plot_name(stem: str, i: int) -> str:
+    """The file stem of the i-th estimator's plot: `stem` for the first (the name earlier reports used)."""
+    return stem if i == 0 else f"{stem}_{i + 1}"

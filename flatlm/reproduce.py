@@ -22,7 +22,7 @@ import platform
 import time
 from pathlib import Path
 
-from flatlm import claims
+from flatlm import claims, paths
 from flatlm.errors import UserError
 from flatlm.experiment import load_experiment, run_experiment
 from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
@@ -110,23 +110,23 @@ def plan(preset: str) -> dict[str, list[tuple[str, str]]]:
     return {cid: [(name, "hmm") for name, _ in spec[2] if name not in CPU_LEFT_OUT] for cid, spec in SUITE.items()}
 
 
-def experiment_dir(workdir: str, name: str, language: str) -> Path:
+def experiment_dir(workdir: str, name: str, language: str) -> paths.Path:
     """Where the suite keeps one experiment."""
-    return Path(workdir) / f"{name}-{language}"
+    return paths.path(workdir) / f"{name}-{language}"
 
 
 def load_timings(workdir: str) -> dict:
     """{experiment dir name: wall seconds} recorded by `run_suite` ({} if none)."""
-    path = Path(workdir) / "timings.json"
+    path = paths.path(workdir) / "timings.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True) -> dict:
     """Run (or resume) every experiment the chosen claims need; returns {experiment dir name: seconds}."""
-    timings_path = Path(workdir) / "timings.json"
+    timings_path = paths.path(workdir) / "timings.json"
     timings = load_timings(workdir)
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    (Path(workdir) / "suite.json").write_text(json.dumps({"preset": preset}))
+    paths.path(workdir).mkdir(parents=True, exist_ok=True)
+    (paths.path(workdir) / "suite.json").write_text(json.dumps({"preset": preset}))
     for cid in claim_ids or tuple(SUITE):
         if cid not in SUITE:
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
@@ -321,7 +321,7 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
 
 def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:
     """The verdict of every claim whose experiments exist under `workdir` (for the preset `run_suite` recorded)."""
-    meta = Path(workdir) / "suite.json"
+    meta = paths.path(workdir) / "suite.json"
     preset = json.loads(meta.read_text())["preset"] if meta.exists() else "cpu"
     steps = plan(preset)
     d = {name: experiment_dir(workdir, name, lang) for exps in steps.values() for name, lang in exps}
@@ -349,10 +349,10 @@ def _line(f: Finding) -> str:
     return f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
 
 
-def write_report(workdir: str, results: list[ClaimResult], timings: dict, command: str) -> Path:
+def write_report(workdir: str, results: list[ClaimResult], timings: dict, command: str) -> paths.Path:
     """`<workdir>/report/reproduction.md`: a verdict line per claim, its effects with CIs, every "same loss"
     check, notes, and per-experiment figures (`flatlm.report.make_report`) under `<workdir>/report/<exp>/`."""
-    out = Path(workdir) / "report"
+    out = paths.path(workdir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     total = sum(timings.values())
     md = [f"# flatlm reproduction\n\nCommand: `{command}`; {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: "
@@ -372,13 +372,11 @@ def write_report(workdir: str, results: list[ClaimResult], timings: dict, comman
         md += ["", "Same-loss checks:"] + [f"- {name}: {c.describe()}" for name, c in r.same_loss]
         md += ["", "Notes:"] + [f"- {n}" for n in r.notes] if r.notes else []
     for name in sorted(timings):
-        exp = Path(workdir) / name
+        exp = paths.path(workdir) / name
         if exp.exists():
             make_report([str(exp)], str(out / name))
             md.append(f"\n## Figures: {name}\n\n[report]({name}/report.md)\n")
             md += [f"![{p.stem}]({name}/{p.name})" for p in sorted((out / name).glob("*.png"))]
     path = out / "reproduction.md"
-    tmp = out / ".reproduction.md.tmp"
-    tmp.write_text("\n".join(md) + "\n")
-    os.replace(tmp, path)
+    paths.write_text(path, "\n".join(md) + "\n")
     return path

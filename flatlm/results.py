@@ -10,19 +10,21 @@ measurement redone, e.g. by a resumed experiment) by the new one at the end, ins
 entries of other identities are never touched. `append` is atomic and safe across processes: the whole
 read-modify-write runs under the lock file `<workdir>/.results.lock` and the file is rewritten as a tmp file
 renamed over it, so concurrent writers lose nothing and a reader never sees half a file.
+
+In a bucket (gs://) the file is rewritten in one upload (a reader still never sees half a file) but there is no
+lock (`flatlm.locks`): two processes appending at the same moment can lose one's entries, so run one writer per
+cloud workdir (the workdir lock's rule, which a bucket cannot enforce).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from pathlib import Path
 
 import jax
 
-from flatlm import locks
+from flatlm import locks, metrics, paths
 from flatlm.errors import UserError, disk_full_is_one_line
 
 IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
@@ -45,7 +47,7 @@ def _clean(x):
 
 def load(workdir: str) -> list[dict]:
     """Every entry of the workdir's results.json ([] if there is none); one line if the file is damaged."""
-    path = Path(workdir, "results.json")
+    path = paths.path(workdir, "results.json")
     if not path.exists():
         return []
     try:
@@ -70,20 +72,18 @@ def append(workdir: str, entries: list[dict]) -> None:
     In a multi-host run only process 0 writes (every process measured the same entries)."""
     if jax.process_index() != 0:
         return
-    path = Path(workdir, "results.json")
+    path = paths.path(workdir, "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()
     new = {identity(e): e for e in (_clean({"time": now, **e}) for e in entries)}  # the last of equal ones
-    with locks.waiting(Path(workdir, ".results.lock"), f"writing {path}"):
+    with locks.waiting(paths.path(workdir, ".results.lock"), f"writing {path}"):
         kept = [e for e in load(workdir) if identity(e) not in new]
-        tmp = path.with_name(f".results.json.{os.getpid()}.tmp")
-        try:
-            with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
-                                       "its earlier results are intact"):
-                tmp.write_text(json.dumps({"results": kept + list(new.values())}, indent=1))
-                os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
+                                   "its earlier results are intact"):
+            paths.write_text(path, json.dumps({"results": kept + list(new.values())}, indent=1))
+    with disk_full_is_one_line(f"no space left on {path.parent} while writing TensorBoard events; results.json "
+                               "is written"):
+        metrics.log_results(workdir, list(new.values()))
 
 
 def latest(entries: list[dict], **match) -> dict | None:

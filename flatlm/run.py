@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
 from flatlm import data as data_lib
-from flatlm import languages, models, sharding
+from flatlm import languages, models, paths, sharding
 from flatlm.config import check_choice, check_positive
 from flatlm.data import builder as builder_lib
 from flatlm.data import pipeline
@@ -150,14 +150,25 @@ def initialize_distributed(config=None) -> None:
 
 
 def check_workdir(workdir: str) -> None:
-    """UserError unless `workdir` is a folder or does not exist yet."""
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    """UserError unless `workdir` is a folder or does not exist yet (local or gs://, whose client must be
+    installed: `flatlm.paths.check_backend`)."""
+    path = paths.path(workdir)
+    if path.exists() and not path.is_dir():
         raise UserError(f"--workdir {workdir} is a file; pass a folder (new or holding a run)")
 
 
+LOCAL_DATA_CACHE = os.path.join("~", ".cache", "flatlm", "data")  # corpora of runs whose workdir is in a bucket
+
+
 def data_dir(config, workdir: str) -> str:
-    """Where the run's corpora and task splits live: `data.data_dir`, else `<workdir>/data`."""
-    return config.data.data_dir or os.path.join(workdir, "data")
+    """Where the run's corpora and task splits live: `data.data_dir`, else `<workdir>/data`; for a workdir in a
+    bucket, the local `~/.cache/flatlm/data` (corpora are read as local array_record files; a corpus folder is
+    named by its language, sizes and seed, so a shared cache never mixes two corpora)."""
+    if config.data.data_dir:
+        return config.data.data_dir
+    if paths.is_cloud(workdir):
+        return os.path.expanduser(LOCAL_DATA_CACHE)
+    return os.path.join(workdir, "data")
 
 
 def prepare_data(config, workdir: str, quiet: bool = False) -> dict:

@@ -1,5 +1,8 @@
 """The one text-table and JSON printer of flatlm: every verb prints its rows through `print_table`, and with
-`--json` the same results through `print_json` (progress and logs go to stderr)."""
+`--json` the same results through `print_json` (progress and logs go to stderr).
+
+Our own 30 lines rather than `tabulate`: it is not among flatlm's dependencies, and the printer needs nothing
+beyond right-aligned columns with per-column format specs and "-" for missing values."""
 
 from __future__ import annotations
 

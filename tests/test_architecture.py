@@ -15,7 +15,7 @@ MAX_LINES = 400
 
 # Lower layers never import higher ones. Modules of one layer may import each other (without circles).
 LAYERS = [
-    ("flatlm", "flatlm.errors", "flatlm.config", "flatlm.table", "flatlm.results", "flatlm.metrics",
+    ("flatlm", "flatlm.errors", "flatlm.paths", "flatlm.config", "flatlm.table", "flatlm.results", "flatlm.metrics",
      "flatlm.sharding", "flatlm.checkpoint"),  # foundation: no model, no language
     ("flatlm.languages",),
     ("flatlm.data",),
@@ -23,7 +23,7 @@ LAYERS = [
     ("flatlm.run",),  # open a workdir: config, language, data, model, parameters (no optimizer)
     ("flatlm.evaluate",),  # evaluators of (apply_fn, params): exact loss, probe, fine-tuning
     ("flatlm.train", "flatlm.flatness"),
-    ("flatlm.experiment", "flatlm.report", "flatlm.demo", "flatlm.theory", "flatlm.claims",
+    ("flatlm.experiment", "flatlm.report", "flatlm.report_plots", "flatlm.demo", "flatlm.theory", "flatlm.claims",
      "flatlm.reproduce"),
     ("flatlm.cli",),
 ]

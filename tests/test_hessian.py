@@ -16,6 +16,7 @@ import pytest
 from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert, tiny_lstm
 from jax.flatten_util import ravel_pytree
 
+from flatlm.errors import UserError
 from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import TraceEstimate
 from flatlm.models.losses import mlm_loss
@@ -128,6 +129,22 @@ def test_exact_trace():
         assert est.trace_sq == pytest.approx(float(jnp.sum(H * H)), rel=1e-12)
         assert set(est.per_group) == {"a", "b/c", "d"}
         assert est.per_group["b/c"] == pytest.approx(float(jnp.sum(unravel(jnp.diag(H))["b"]["c"])), rel=1e-12)
+        for chunk in (1, 4, 64):  # chunks of Hessian columns (the last one partial) give the same numbers
+            other = hs.exact_trace(_toy_loss, params, batches=batches, groups="leaf", chunk_size=chunk)
+            assert other.mean == pytest.approx(est.mean, rel=1e-12)
+            assert other.trace_sq == pytest.approx(est.trace_sq, rel=1e-12)
+            assert other.per_group == pytest.approx(est.per_group, rel=1e-12)
+
+
+def test_exact_trace_chunks_from_parameter_count_and_refuses_above_limit():
+    """Issue 16: the exact trace of the tiny model asked XLA for 904 GB (jax.hessian makes all P columns at once).
+    The chunk of columns now shrinks as P grows (~EXACT_CHUNK_BYTES of columns), and P > the limit is one line."""
+    assert hs.exact_chunk_size(21) == 21
+    assert hs.exact_chunk_size(475_000) == 35  # 35 columns x 475k x 16 bytes = 266 MB, not 475k columns
+    assert hs.exact_chunk_size(475_000) * 475_000 * 16 <= hs.EXACT_CHUNK_BYTES
+    assert hs.exact_chunk_size(10**8) == 1
+    with pytest.raises(UserError, match=r"this model has 21 \(limit 20\); use --method hutchinson"):
+        hs.exact_trace(_toy_loss, _toy_params(), batches=_toy_batches(1), max_params=20)
 
 
 def test_hutchinson_streams_batches_and_splits_variance():

@@ -33,10 +33,19 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+OVERRIDES_HELP = ("any config field can be set on the command line after the other flags, absl style: "
+                  "--config.section.field=value (e.g. --config.train.steps=200 --config.model.d_model=128); "
+                  "values are type-checked against the config")
+
+
 def add_config_and_workdir(p: argparse.ArgumentParser, config_help: str) -> None:
-    """The required `--config FILE.py[:PRESET]` and `--workdir DIR` of the verbs that start runs."""
-    p.add_argument("--config", required=True, help=config_help)
-    p.add_argument("--workdir", required=True)
+    """The required `--config FILE.py[:PRESET]` and `--workdir DIR` of the verbs that start runs, and the help's
+    note on presets and `--config.x=y` overrides."""
+    p.add_argument("--config", required=True, help=f"{config_help}: a config file and an optional preset after "
+                   "the colon (the file's docstring lists them, e.g. tiny, cpu, demo, paper)")
+    p.add_argument("--workdir", required=True, help="the run's folder (local or gs://bucket/...); an existing run "
+                   "there is resumed")
+    p.epilog = OVERRIDES_HELP
 
 
 def add_output_flags(p: argparse.ArgumentParser, quiet: bool = True) -> None:

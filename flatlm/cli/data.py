@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatlm.cli.common import add_output_flags, load_config
+from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, load_config
 from flatlm.data.tasks import build_task
 from flatlm.errors import UserError
 from flatlm.languages import make_language
@@ -13,8 +13,8 @@ from flatlm.train.loop import validate
 
 def add_parser(sub) -> None:
     """Register `data`."""
-    p = sub.add_parser("data", help="materialise a config's corpus (tfds array_record)")
-    p.add_argument("--config", required=True, help="configs/FILE.py[:PRESET]")
+    p = sub.add_parser("data", help="materialise a config's corpus (tfds array_record)", epilog=OVERRIDES_HELP)
+    p.add_argument("--config", required=True, help="configs/FILE.py[:PRESET] (a config file and an optional preset)")
     p.add_argument("--data-dir", default="", help="where to write (default: the config's data.data_dir)")
     p.add_argument("--workdir", default="", help="use <workdir>/data when no data dir is given")
     p.add_argument("--no-tasks", action="store_true", help="only the pre-training corpus, no downstream tasks")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flatlm import demo
 from flatlm.cli.common import add_output_flags, non_negative_int
+from flatlm.report import ESTIMATOR_LABELS
 from flatlm.table import print_json, print_table
 
 
@@ -27,7 +28,8 @@ def run(args) -> int:
 
 
 def print_report(result: dict) -> None:
-    """The demo's table: exact loss = entropy + KL, probe accuracy and Tr(H) per checkpoint, and the lookup table."""
+    """The demo's table: exact loss = entropy + KL, probe accuracy and the Fisher trace (the
+    paper's B.1 estimator, labelled as such) per checkpoint, and the lookup table."""
     print(f"\nPCFG language (random grammar of the paper's shape, seed {result['language']['seed']}); loss in nats per "
           f"masked position; probe = linear probe accuracy on task {result['task']} (the most likely root child of "
           "the sentence, released definition), mean ± std over seeds:")
@@ -40,6 +42,7 @@ def print_report(result: dict) -> None:
         rows.append({"step": "lookup", "loss": rows[-1].get("entropy") if rows else None, "entropy": None,
                      "kl": 0.0, "probe_s": f"{100 * lk['accuracy']:.1f} ± {100 * lk['accuracy_std']:.1f}"})
     print_table(rows, [("step", "step", ""), ("loss", "exact loss", ".4f"), ("entropy", "entropy", ".4f"),
-                       ("kl", "KL", ".4f"), ("probe_s", "probe acc %", "s"), ("trace_s", "Tr(H)", "s")])
+                       ("kl", "KL", ".4f"), ("probe_s", "probe acc %", "s"),
+                       ("trace_s", ESTIMATOR_LABELS["fisher"], "s")])
     print("\nlookup = a probe on the exact conditionals (a model with the optimal loss, KL = 0)")
     print(f"workdir: {result['workdir']} (config.json, checkpoints/, metrics.jsonl, tensorboard/, results.json)")

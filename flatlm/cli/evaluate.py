@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from flatlm import checkpoint as ckpt
+from flatlm import paths
 from flatlm.cli.common import add_output_flags, parse_steps
 from flatlm.config import load_workdir_config
 from flatlm.evaluate.runner import evaluate_run, table_rows
@@ -39,5 +38,5 @@ def run(args) -> int:
     cols = [("step", "step", "")] + [(k, k, ".4f") for k in ("loss", "entropy", "kl")]
     extra = sorted({k for r in rows for k in r if ":" in k})
     print_table(rows, cols + [(k, k + " %", "s") for k in extra])
-    print(f"appended {len(entries)} results to {os.path.join(args.workdir, 'results.json')}")
+    print(f"appended {len(entries)} results to {paths.path(args.workdir, 'results.json')}")
     return 0

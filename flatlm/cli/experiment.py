@@ -1,24 +1,41 @@
-"""`flatlm experiment --config configs/experiments/NAME.py[:PRESET] --workdir DIR`: a whole paper experiment."""
+"""`flatlm experiment --config configs/experiments/NAME.py[:PRESET] --workdir DIR [--run NAME]`: a whole paper
+experiment, or one of its runs (with its evaluation and flatness); `--list` prints the run names."""
 
 from __future__ import annotations
 
-from flatlm.cli.common import add_config_and_workdir, add_output_flags, apply_overrides
-from flatlm.experiment import load_experiment, run_experiment
+from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides
+from flatlm.errors import UserError
+from flatlm.experiment import load_experiment, run_experiment, select_runs
 from flatlm.table import print_json, print_table
 
 
 def add_parser(sub) -> None:
     """Register `experiment`."""
-    p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably")
-    add_config_and_workdir(p, "configs/experiments/NAME.py[:PRESET]")
+    p = sub.add_parser("experiment", help="run a whole paper experiment (train, evaluate, flatness), resumably",
+                       epilog=OVERRIDES_HELP.replace("--config.train.steps", "--config.base.train.steps"))
+    p.add_argument("--config", required=True, help="configs/experiments/NAME.py[:PRESET]: an experiment file and "
+                   "an optional preset after the colon (tiny, cpu, paper; ',hmm' or ',pcfg' picks the language)")
+    p.add_argument("--workdir", help="the experiment's folder (local or gs://bucket/...); required unless --list")
+    p.add_argument("--list", action="store_true", help="print the experiment's run names, one per line, and exit")
+    p.add_argument("--run", action="append", default=[], metavar="NAME",
+                   help="run only this run (repeatable), with its evaluation and flatness: one job per run")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=True)
 
 
 def run(args) -> int:
-    """Run (or resume) every run of the experiment; print each run's status."""
+    """List the runs, or run (or resume) every run of the experiment (or the --run ones); print each status."""
     exp = apply_overrides(load_experiment(args.config), args.overrides, hint="--config.base.train.steps=200")
-    status = run_experiment(exp, args.workdir, progress=not args.quiet)
+    if args.list:
+        names = [r["name"] for r in select_runs(exp, tuple(args.run))]
+        if args.json:
+            print_json({"experiment": exp.name, "runs": names})
+        else:
+            print("\n".join(names))
+        return 0
+    if not args.workdir:
+        raise UserError("--workdir is required (except with --list)")
+    status = run_experiment(exp, args.workdir, progress=not args.quiet, only=tuple(args.run))
     if args.json:
         print_json({"workdir": args.workdir, "runs": status})
     else:

@@ -15,6 +15,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, overrides=True)
 
 
+def unit(metric: str) -> str:
+    """The unit of an exact-loss metric as printed: nats per masked position; log KL (natural log) has none."""
+    return "" if metric.endswith("log_kl") else " nats"
+
+
 def run(args) -> int:
     """Train; print the final exact-loss evaluation."""
     config = load_config(args.config, args.overrides)
@@ -22,6 +27,6 @@ def run(args) -> int:
     if args.json:
         print_json({"workdir": args.workdir, **result})
     else:
-        print(f"done: {args.workdir}  " + "  ".join(f"{k}={v:.4g}" for k, v in result.items()
+        print(f"done: {args.workdir}  " + "  ".join(f"{k}={v:.4g}{unit(k)}" for k, v in result.items()
                                                     if isinstance(v, float)))
     return 0

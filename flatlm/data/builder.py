@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flatlm import locks
+from flatlm import locks, paths
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 
@@ -153,6 +154,10 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
           quiet: bool = False) -> FlatlmCorpus:
     """Materialise the corpus in `data_dir` (no-op if it is already there; refused if it cannot fit on the
     disk, see `check_space`). Returns the builder."""
+    if paths.is_cloud(data_dir):
+        raise UserError(f"data.data_dir={data_dir} is in a bucket; corpora are built and read as local array_record "
+                        "files: set --config.data.data_dir to a local folder (a cloud workdir's default is "
+                        "~/.cache/flatlm/data)")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     config = corpus_config(dict(language_spec), train_size, eval_size, seed)
     with building(FlatlmCorpus, config.name, data_dir):
@@ -161,9 +166,28 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
             check_space(builder, data_dir)
         if quiet:
             tfds.disable_progress_bar()
-        with contextlib.redirect_stdout(sys.stderr):  # tfds prints its banner on stdout; keep stdout for results
+        # tfds prints its "Downloading and preparing dataset" banner on stdout: keep stdout for results (stderr),
+        # and with `quiet` drop it, with tfds' own log lines
+        with contextlib.ExitStack() as stack:
+            sink = stack.enter_context(open(os.devnull, "w")) if quiet else sys.stderr  # noqa: SIM115 - in stack
+            stack.enter_context(contextlib.redirect_stdout(sink))
+            stack.enter_context(_quiet_logs(quiet))
             builder.download_and_prepare()
     return builder
+
+
+@contextlib.contextmanager
+def _quiet_logs(quiet: bool) -> Iterator[None]:
+    """With `quiet`, tfds' and absl's INFO / WARNING lines are dropped for the block (errors still show)."""
+    loggers = [logging.getLogger(n) for n in ("absl", "tensorflow_datasets")] if quiet else []
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def data_sources(builder: FlatlmCorpus) -> dict:

@@ -7,6 +7,7 @@ Results are appended to the run's `results.json` (a re-measurement replaces the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -14,7 +15,7 @@ import flax.linen as nn
 import jax
 from tqdm.auto import tqdm
 
-from flatlm import locks
+from flatlm import locks, paths
 from flatlm import results as results_lib
 from flatlm.evaluate.exact_loss import exact_loss
 from flatlm.evaluate.finetune import FinetuneConfig, finetune
@@ -36,6 +37,15 @@ def headline(out: dict) -> dict:
     acc = out["accuracy"]
     split = next(s for s in ("test", "validation", "val", "train") if s in acc)
     return {"split": split, "accuracy": acc[split]["mean"], "accuracy_std": acc[split]["std"]}
+
+
+def feature_cache_dir(workdir: str) -> str:
+    """Where probe features are cached (np.savez, local files): `<workdir>/features`; for a workdir in a bucket, a
+    local folder named by a hash of the workdir under ~/.cache/flatlm/features (a cache: losing it costs time)."""
+    if not paths.is_cloud(workdir):
+        return os.path.join(workdir, "features")
+    digest = hashlib.sha256(os.fspath(workdir).encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser("~"), ".cache", "flatlm", "features", digest)
 
 
 def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str, ...] = (), probe: bool = True,
@@ -61,7 +71,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
     probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
-    cache = os.path.join(workdir, "features")
+    cache = feature_cache_dir(workdir)
     entries: list[dict] = []
 
     def add(entry):

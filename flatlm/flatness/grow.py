@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,6 +52,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm import checkpoint as ckpt
+from flatlm import paths
+from flatlm import run as run_lib
+from flatlm.config import save_workdir_config
+from flatlm.errors import UserError
 from flatlm.models.bert import SHAPES, TABLE4, BertConfig
 from flatlm.models.losses import mlm_loss
 
@@ -216,3 +222,23 @@ def save_npz(path: str, params, config: BertConfig) -> None:
     flat = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(x)
             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     np.savez(path, __config__=np.array(json.dumps(dataclasses.asdict(config))), **flat)
+
+
+def save_run(out: str, small_run, params, big: BertConfig, step: int) -> None:
+    """Write the grown model as a new run workdir `out` that `flatlm evaluate / flatness / report` read as any other:
+    config.json (the small run's config at the grown shape, reading the small run's corpus) and an orbax checkpoint
+    `step` holding {"step", "params"} (no optimizer state; evaluators restore the parameters only). UserError if
+    `out` already holds a run."""
+    if paths.path(out, "config.json").exists():
+        raise UserError(f"--out {out} already holds a run; choose a new folder")
+    config = small_run.config.copy_and_resolve_references()
+    config.model.update(shape="", d_model=big.d_model, num_layers=big.num_layers, num_heads=big.num_heads,
+                        d_ff=big.d_ff)
+    small_data = run_lib.data_dir(small_run.config, small_run.workdir)
+    config.data.data_dir = small_data if paths.is_cloud(small_data) else os.path.abspath(small_data)
+    save_workdir_config(config, out)
+    mngr = ckpt.manager(out, keep=1)
+    try:
+        ckpt.save(mngr, step, {"step": jnp.asarray(step, jnp.int32), "params": params})
+    finally:
+        mngr.close()

@@ -4,7 +4,8 @@
 - `hutchinson_trace` streams data batches and probe chunks, so memory stays at a few parameter copies, and reports
   mean, standard error (probe and data noise apart), per-group traces and Tr(H^2), all from the same products.
 - `hutchpp_trace` (Hutch++) for positive semi-definite operators such as the Fisher / Gauss-Newton matrix.
-- `exact_trace` / `exact_hessian` via `jax.hessian` on the raveled parameters, for tiny models and tests.
+- `exact_trace` from the Hessian's columns (HVPs on unit vectors, chunked by the parameter count; refused above
+  `EXACT_MAX_PARAMS`), `exact_hessian` via `jax.hessian` on the raveled parameters (tiny models and tests).
 - `fisher_trace` (re-exported from `flatlm.flatness.fisher`): the paper's Appendix B.1 estimator.
 
 Probes: probe i of data batch b uses key fold_in(fold_in(key, b), i), and each parameter tensor folds in its own
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from flatlm.errors import UserError
 from flatlm.flatness.estimates import (
     GroupFn,
     TraceEstimate,
@@ -165,21 +167,55 @@ def exact_hessian(loss_fn: LossFn, params: Params, batches: Iterable | None = No
     return H, unravel
 
 
+EXACT_MAX_PARAMS = 200_000  # `exact_trace` refuses more parameters: P Hessian-vector products per batch
+EXACT_CHUNK_BYTES = 2**28  # `exact_trace` sizes its chunk of Hessian columns to ~this many bytes of columns
+
+
+def exact_chunk_size(num_params: int, max_bytes: int = EXACT_CHUNK_BYTES) -> int:
+    """How many Hessian columns `exact_trace` computes at once for `num_params` parameters: about `max_bytes` of
+    float32 columns counting 4 parameter-sized buffers per column (column, tangent, gradient, cotangent), 1..256.
+    (`jax.hessian` computes all P at once: P x (activations + P) floats, 904 GB for a 475k-parameter model.)"""
+    return int(max(1, min(256, num_params, max_bytes // (16 * num_params))))
+
+
 def exact_trace(
-    loss_fn: LossFn, params: Params, *, batches: Iterable | None = None, groups: GroupFn | str | None = None
+    loss_fn: LossFn, params: Params, *, batches: Iterable | None = None, groups: GroupFn | str | None = None,
+    chunk_size: int | None = None, max_params: int = EXACT_MAX_PARAMS,
 ) -> TraceEstimate:
-    """Exact Tr(H) (stderr 0) with per-group traces and Tr(H^2) = ||H||_F^2, via `exact_hessian`."""
-    H, unravel = exact_hessian(loss_fn, params, batches)
+    """Exact Tr(H) (stderr 0) with per-group traces and Tr(H^2) = ||H||_F^2, from the Hessian's columns H e_i
+    (Hessian-vector products on unit vectors), `chunk_size` columns at a time (default `exact_chunk_size(P)`), so
+    memory stays at a chunk of columns whatever P. P products per batch: more than `max_params` parameters is
+    refused (UserError naming the limit; `hutchinson_trace` estimates the same trace from a few products)."""
+    flat, unravel = ravel_pytree(params)
+    P = int(flat.size)
+    if P > max_params:
+        raise UserError(f"the exact Hessian trace takes one Hessian-vector product per parameter and this model has "
+                         f"{P:,} (limit {max_params:,}); use --method hutchinson (the same trace, estimated) or a "
+                         "smaller model")
+    c = chunk_size or exact_chunk_size(P)
+    bs = _batch_list(batches)
     names, ids = param_groups(params, groups)
-    diag = jax.tree.leaves(unravel(jnp.diag(H)))
-    per = np.zeros(len(names))
-    for d, g in zip(diag, ids):
-        per[g] += float(jnp.sum(d))
+    group_of = np.concatenate([np.full(np.size(x), g) for x, g in zip(jax.tree.leaves(params), ids)])
+    diag, sq = np.zeros(P), 0.0
+    for start in range(0, P, c):  # a chunk of columns of H = the mean over batches of their Hessians
+        cols = sum(_exact_block(flat, b, start, loss_fn=loss_fn, unravel=unravel, chunk=c) for b in bs) / len(bs)
+        n = min(c, P - start)
+        diag[start:start + n] = np.asarray(cols[jnp.arange(n), start + jnp.arange(n)])
+        sq += float(jnp.sum(cols * cols))
+    per = np.bincount(group_of, weights=diag, minlength=len(names))
     return TraceEstimate(
-        mean=float(per.sum()), stderr=0.0, num_samples=0, method="exact", num_batches=len(_batch_list(batches)),
+        mean=float(per.sum()), stderr=0.0, num_samples=0, method="exact", num_batches=len(bs),
         per_group=dict(zip(names, map(float, per))), per_group_stderr=dict.fromkeys(names, 0.0),
-        trace_sq=float(jnp.sum(H * H)), trace_sq_stderr=0.0,
+        trace_sq=sq, trace_sq_stderr=0.0,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "unravel", "chunk"))
+def _exact_block(flat, batch, start, *, loss_fn, unravel, chunk):
+    """Columns start..start+chunk of the batch's Hessian ([chunk, P]; rows past P are zero)."""
+    E = jax.nn.one_hot(start + jnp.arange(chunk), flat.size, dtype=flat.dtype)
+    g = jax.grad(lambda y: _as_loss(loss_fn, batch)(unravel(y)))
+    return jax.vmap(lambda e: jax.jvp(g, (flat,), (e,))[1])(E)
 
 
 def hutchinson_trace(

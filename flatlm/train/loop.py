@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
-from flatlm import locks, sharding
+from flatlm import locks, paths, sharding
 from flatlm import run as run_lib
 from flatlm import train as train_lib
 from flatlm.data import pipeline
@@ -152,11 +151,10 @@ class ConvergenceWatch:
 
     def __init__(self, cfg, total_steps: int, workdir: str, pinned: ckpt.PinnedSteps):
         self.cfg, self.total, self.pinned = cfg, total_steps, pinned
-        self.path = os.path.join(workdir, "convergence.json")
+        self.path = paths.path(workdir, "convergence.json")
         self.state = {"best": None, "stalls": 0, "converged_at": None, "log_steps": []}
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.state = json.load(f)
+        if self.path.exists():
+            self.state = json.loads(self.path.read_text())
         pinned.pin(*self.state["log_steps"])
 
     def update(self, step: int, kl: float) -> None:
@@ -179,10 +177,7 @@ class ConvergenceWatch:
             log.info("exact KL converged at step %d; keeping checkpoints at %s", step, s["log_steps"])
         if jax.process_index() != 0:  # every process keeps the state, process 0 writes it
             return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(s, f)
-        os.replace(tmp, self.path)
+        paths.write_text(self.path, json.dumps(s))
 
 
 class _Preemption:
@@ -214,6 +209,19 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def check_extension(old, new) -> None:
+    """Extending a run (a larger `train.steps`) is exact only if the steps already trained would have used the same
+    learning rates: UserError unless the schedule of `new` equals that of `old` on steps 0..old.train.steps."""
+    steps = np.arange(old.train.steps + 1)
+    before, after = np.asarray(optim.schedule(old.train)(steps)), np.asarray(optim.schedule(new.train)(steps))
+    if not np.array_equal(before, after):
+        first = int(np.flatnonzero(before != after)[0])
+        raise UserError(f"raising train.steps from {old.train.steps} to {new.train.steps} changes the learning rate of "
+                        f"steps already trained (from step {first}: schedule={old.train.schedule}, warmup_frac="
+                        f"{old.train.warmup_frac} scale with train.steps); only a run with train.schedule=constant "
+                        "and train.warmup_frac=0 can be extended exactly: use a new --workdir")
+
+
 def train_and_evaluate(config, workdir: str, progress: bool = True, objective=None) -> dict:
     """Train (resuming if `workdir` has checkpoints), evaluating the exact loss; returns the last eval.
 
@@ -221,22 +229,26 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     initialize_distributed(config)
     validate(config, jax.device_count())
     check_workdir(workdir)
-    config_lib.save_workdir_config(config, workdir, write=False)  # a different run there: refuse before building
-    created = not os.path.exists(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    config_lib.save_workdir_config(config, workdir, write=False,  # a different run there: refuse before building
+                                   check_extension=check_extension)
+    created = not paths.path(workdir).exists()
+    paths.path(workdir).mkdir(parents=True, exist_ok=True)
     try:
         with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
             return _train(config, workdir, progress, objective)
     except UserError:
-        if created and set(os.listdir(workdir)) <= {".lock"}:  # refused before writing anything: leave no trace
-            shutil.rmtree(workdir, ignore_errors=True)
+        if created and {p.name for p in paths.path(workdir).iterdir()} <= {".lock"}:  # refused before writing
+            paths.path(workdir).rmtree(missing_ok=True)  # anything: leave no trace
         raise
 
 
 def _train(config, workdir: str, progress: bool, objective) -> dict:
     run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
+    if progress and jax.process_index() == 0:
+        print(f"flatlm: {jax.device_count()} {jax.default_backend()} device(s) on {jax.process_count()} process(es); "
+              f"mesh {dict(run.mesh.shape)}", file=sys.stderr)
     if jax.process_index() == 0:
-        config_lib.save_workdir_config(config, workdir)
+        config_lib.save_workdir_config(config, workdir, check_extension=check_extension)
     setup = train_setup(run)
     c = config
     pinned = ckpt.PinnedSteps(c.checkpoint.steps)
@@ -287,6 +299,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             w0_cache["params"] = multihost_utils.process_allgather(init_state(run, setup)["params"], tiled=True)
         return rank.update_ranks(multihost_utils.process_allgather(params, tiled=True), w0_cache["params"])
 
+    postfix: dict[str, str] = {}  # the bar's named fields: the training objective and the last exact eval
+
     def flush(entry):
         nonlocal t_last, steps_since
         step, metrics = entry
@@ -300,7 +314,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             metrics["train/steps_per_sec"] = steps_since / max(now - t_last, 1e-9)
             t_last, steps_since = now, 0
             writer.write(step, metrics)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", refresh=False)
+            postfix["train_objective"] = f"{metrics['train/loss']:.4f}"
+            bar.set_postfix(postfix, refresh=False)
 
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
@@ -326,7 +341,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                              if not isinstance(v, str)}  # scalars only; "average" is named by the config
                 writer.write(step, last_eval)
                 convergence.update(step, last_eval["eval/kl"])  # in every process: all must pin the same steps
-                bar.set_postfix(loss=f"{last_eval['eval/loss']:.4f}", kl=f"{last_eval['eval/kl']:.2e}")
+                postfix.update(exact_loss=f"{last_eval['eval/loss']:.4f} nats", kl=f"{last_eval['eval/kl']:.2e} nats")
+                bar.set_postfix(postfix)
             if c.train.get("rank_every", 0) and (step % c.train.rank_every == 0 or last):
                 writer.write(step, rank_metrics(state["params"]))
             if step % c.checkpoint.every == 0 or last or step in pinned.steps or stop:

@@ -1,0 +1,134 @@
+"""The figures of `flatlm report` (flatlm.report): each written as PNG and PDF, with error bars wherever a standard
+deviation or error was measured, and runs that differ only by pre-training seed (`<name>-seed<k>`) drawn as one
+line, the mean ± std over seeds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+from matplotlib.ticker import NullFormatter
+
+SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
+FORMATS = ("png", "pdf")
+
+
+def subplots(ncols: int = 1, figsize=(5.5, 4)):
+    """A pyplot-free figure and its axes (a 1-D array when ncols > 1, else one Axes)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(1, ncols)
+
+
+def save(fig, path_png: Path) -> None:
+    """Write `fig` as `path_png` and the same name with .pdf."""
+    fig.tight_layout()
+    for fmt in FORMATS:
+        fig.savefig(Path(path_png).with_suffix(f".{fmt}"), dpi=110)
+
+
+def method_name(run_name: str) -> str:
+    """The run's name without its `-seed<k>` suffix: the method (configuration) it is a seed of."""
+    m = SEED_SUFFIX.match(run_name)
+    return m.group(1) if m else run_name
+
+
+def loss_vs_steps(runs) -> Figure:
+    """Exact loss ± its std over evaluation subsets, and ln KL ± the std of ln KL to first order (kl_std / kl)."""
+    fig, (a, b) = subplots(2, figsize=(11, 4))
+    for r in runs:
+        ev = [m for m in r.evals if isinstance(m.get("eval/loss"), float)]
+        s = [m["step"] for m in ev]
+        a.errorbar(s, [m["eval/loss"] for m in ev], [m.get("eval/loss_std", 0.0) for m in ev], fmt="o-", ms=3,
+                   capsize=2, label=r.name)
+        kl = np.array([m["eval/kl"] if isinstance(m.get("eval/kl"), float) else np.nan for m in ev])
+        kl_std = np.array([m.get("eval/kl_std", 0.0) if isinstance(m.get("eval/kl_std"), float) else 0.0 for m in ev])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b.errorbar(s, np.log(kl), np.where(kl > 0, kl_std / kl, np.nan), fmt="o-", ms=3, capsize=2, label=r.name)
+    if runs and runs[0].evals:
+        a.axhline(runs[0].evals[-1]["eval/entropy"], color="k", ls="--", lw=1, label="entropy (optimum)")
+    a.set(xlabel="step", ylabel="exact pre-training loss (nats)", title="loss = entropy + KL")
+    b.set(xlabel="step", ylabel="ln KL (natural log, KL in nats)", title="ln KL(true || model)")
+    a.legend(fontsize=7)
+    return fig
+
+
+def seed_groups(runs) -> dict[str, list]:
+    """{method name: its runs}, in the runs' order."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        groups.setdefault(method_name(r.name), []).append(r)
+    return groups
+
+
+def mean_std_over_seeds(members, task: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(steps, mean, std) of probe accuracy per step over the runs `members` (seeds of one method) that have it;
+    std over seeds (ddof 1) where 2 or more have the step, else that run's std over probe seeds."""
+    per_step: dict[int, list[tuple[float, float]]] = {}
+    for r in members:
+        for step, e in r.probe(task).items():
+            per_step.setdefault(step, []).append((e["accuracy"], e.get("accuracy_std", 0.0)))
+    steps = sorted(per_step)
+    mean = np.array([np.mean([a for a, _ in per_step[s]]) for s in steps])
+    std = np.array([np.std([a for a, _ in per_step[s]], ddof=1) if len(per_step[s]) > 1 else per_step[s][0][1]
+                    for s in steps])
+    return steps, mean, std
+
+
+def accuracy_vs_steps(runs, tasks: list[str]) -> Figure:
+    """Probe accuracy vs steps, one line per method (mean ± std over its pre-training seeds), per task."""
+    fig, axes = subplots(len(tasks), figsize=(5 * len(tasks), 3.8))
+    for ax, t in zip(np.atleast_1d(axes), tasks):
+        for name, members in seed_groups(runs).items():
+            steps, mean, std = mean_std_over_seeds(members, t)
+            if steps:
+                label = f"{name} ({len(members)} seeds)" if len(members) > 1 else name
+                ax.errorbar(steps, 100 * mean, 100 * std, fmt="o-", ms=3, capsize=2, label=label)
+        look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
+        if look:
+            ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
+        ax.set(xlabel="step", ylabel="probe accuracy (%), mean ± std", title=f"task {t}")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _params_label(n: int) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" if n >= 1e3 else str(n)
+
+
+def accuracy_vs_size(sized, tasks: list[str]) -> Figure:
+    """Final probe accuracy ± std vs parameter count (log axis ticked at the measured sizes only, labels rotated:
+    matplotlib's minor log ticks overlapped within a decade)."""
+    fig, ax = subplots()
+    for t in tasks:
+        pts = sorted(((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t)),
+                     key=lambda p: p[0])  # runs of one size (seeds) tie on the size: never compare entries
+        ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
+                    [100 * e.get("accuracy_std", 0.0) for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
+    for r in sized:
+        if r.evals:
+            ax.annotate(f"L={r.evals[-1]['eval/loss']:.3f}", (r.num_params, 100 * r.probe()[max(r.probe())]
+                                                              ["accuracy"]), fontsize=7)
+    sizes = sorted({r.num_params for r in sized})
+    ax.set(xscale="log", xlabel="parameters", ylabel="probe accuracy (%)", title="accuracy vs size")
+    ax.set_xticks(sizes, [_params_label(n) for n in sizes], rotation=45, ha="right", fontsize=8)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.legend(fontsize=7)
+    return fig
+
+
+def tick_labels_overlap(fig: Figure, axis: str = "x") -> bool:
+    """Whether any two visible tick labels of an axes of `fig` overlap once drawn (used by the tests)."""
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for ax in fig.axes:
+        labels = [lab for lab in getattr(ax, f"get_{axis}ticklabels")(minor=False) + getattr(
+            ax, f"get_{axis}ticklabels")(minor=True) if lab.get_visible() and lab.get_text()]
+        boxes = [lab.get_window_extent(renderer) for lab in labels]
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                if boxes[i].overlaps(boxes[j]):
+                    return True
+    return False

@@ -1,0 +1,39 @@
+"""`flatlm experiment --list` and `--run NAME` (issue 16, item 6): the run names, and one run (training with its
+evaluation and flatness) of an experiment, as launch/tpu.sh experiment starts them, one job per run."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import REPO
+
+from flatlm.cli.main import main
+
+EXPERIMENT = '''
+from flatlm.config import load_config
+from flatlm.experiment import experiment_config
+
+def get_config(arg="tiny"):
+    base = load_config("{tiny}")
+    base.train.update(steps=4, eval_every=4)
+    base.checkpoint.every = 4
+    base.data.data_dir = "{data}"
+    return experiment_config("toy", base, [("a", []), ("b", ["--config.model.d_model=32"])], evaluate=False)
+'''
+
+
+def test_list_and_run_one(tmp_path, capsys):
+    cfg = tmp_path / "toy.py"
+    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    assert main(["experiment", "--config", str(cfg), "--list"]) == 0
+    assert capsys.readouterr().out.split() == ["a", "b"]
+    wd = tmp_path / "exp"
+    assert main(["experiment", "--config", str(cfg), "--workdir", str(wd), "--run", "b", "--quiet", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == {"b": "finished"}
+    assert (wd / "runs" / "b" / "DONE").exists() and not (wd / "runs" / "a").exists()
+    assert json.loads((wd / "experiment.json").read_text())["name"] == "toy"
+    assert main(["experiment", "--config", str(cfg), "--workdir", str(wd), "--run", "c"]) == 2
+    assert capsys.readouterr().err.strip() == ("flatlm: error: experiment toy has no run 'c'; its runs: a, b "
+                                               "(flatlm experiment --list)")
+    assert main(["experiment", "--config", str(cfg)]) == 2
+    assert "--workdir is required" in capsys.readouterr().err

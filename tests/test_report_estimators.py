@@ -1,0 +1,54 @@
+"""`flatlm report` names every flatness value by its estimator and never puts two estimators in one column or
+plot (issue 16, item 3: an empirical-Fisher value measured last was shown under "Tr(H)")."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from flatlm import report, results
+
+
+def _run(root, name, hutch, emp, acc):
+    wd = root / name
+    wd.mkdir(parents=True)
+    (wd / "config.json").write_text("{}")
+    entries = []
+    for i, step in enumerate((10, 20, 30)):
+        entries.append({"kind": "probe", "step": step, "task": "A", "accuracy": acc[i], "accuracy_std": 0.01})
+        entries.append({"kind": "flatness", "step": step, "method": "hutchinson", "trace": hutch[i],
+                        "trace_stderr": 0.5})
+    # measured last, at the last step only: the old report showed this in the "Tr(H)" column
+    entries.append({"kind": "flatness", "step": 30, "method": "empirical_fisher", "trace": emp, "trace_stderr": 0.0})
+    results.append(str(wd), entries)
+    return str(wd)
+
+
+def test_each_estimator_has_its_own_column_and_plots(tmp_path):
+    a = _run(tmp_path, "a", [10.0, 20.0, 30.0], 777.0, [0.5, 0.6, 0.7])
+    b = _run(tmp_path, "b", [15.0, 25.0, 35.0], 888.0, [0.55, 0.65, 0.8])
+    md = report.make_report([a, b], str(tmp_path / "out")).read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[-2:] == ["Tr(H) Hutchinson", "Tr(empirical Fisher), true labels"]
+    assert "Tr(H)" not in header
+    row_a = [c.strip() for c in table[1].strip("|").split("|")]
+    assert row_a[0] == "a" and row_a[-2:] == ["30 ± 0.5", "777 ± 0"]
+    # one trace-vs-steps plot per estimator; the correlation uses the Hutchinson pairs only (6, not 8)
+    assert (tmp_path / "out" / "trace_vs_steps.png").exists() and (tmp_path / "out" / "trace_vs_steps_2.png").exists()
+    x, y = [10, 20, 30, 15, 25, 35], [0.5, 0.6, 0.7, 0.55, 0.65, 0.8]
+    rho = report.spearman_with_ci(x, y)[0]
+    assert f"## Tr(H) Hutchinson vs accuracy\n\nSpearman's ρ = {rho:.3f}" in md and "over 6 checkpoints" in md
+    assert "## Tr(empirical Fisher), true labels vs accuracy" not in md  # 2 points: no correlation
+    assert json.loads((tmp_path / "a" / "results.json").read_text())  # the inputs are untouched
+
+
+def test_estimator_keys_separate_grown_measurements():
+    plain = {"kind": "flatness", "method": "fisher", "grown_to": None}
+    grown = {"kind": "flatness", "method": "fisher", "grown_to": [4, 256]}
+    assert report.estimator_key(plain) != report.estimator_key(grown)
+    assert report.estimator_label(report.estimator_key(grown)) == "Tr(F) Fisher, sampled labels (grown to 4x256)"
+    runs = [report.RunData("r", None, {}, [], [dict(grown, step=1, trace=2.0), dict(plain, step=1, trace=np.e)])]
+    assert report.estimators(runs) == [("fisher", None), ("fisher", (4, 256))]
+    assert runs[0].flatness(("fisher", None))[1]["trace"] == np.e

@@ -1,0 +1,37 @@
+"""TensorBoard gets the per-checkpoint results too (issue 16, item 10): probe / fine-tuning accuracy per task and
+each flatness estimator's trace, at the checkpoint's step, read back from the event files."""
+
+from __future__ import annotations
+
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from flatlm import results
+
+
+def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} from every TFRecord event file under `folder` (length, crc, data, crc records)."""
+    out: dict[str, list] = {}
+    for path in sorted(folder.rglob("events.out.tfevents*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_results_are_logged_to_tensorboard(tmp_path):
+    results.append(str(tmp_path), [
+        {"kind": "probe", "step": 10, "task": "A", "accuracy": 0.625},
+        {"kind": "finetune", "step": 10, "task": "A", "accuracy": 0.75},
+        {"kind": "flatness", "step": 10, "method": "fisher", "grown_to": None, "trace": 12.5},
+        {"kind": "exact_loss", "step": 10, "loss": 1.5}])  # already in metrics.jsonl's eval/ scalars: not again
+    results.append(str(tmp_path), [{"kind": "flatness", "step": 20, "method": "hutchinson", "grown_to": (4, 256),
+                                    "trace": 3.25}, {"kind": "probe", "step": 20, "task": "A", "accuracy": 0.875}])
+    got = read_scalars(tmp_path / "tensorboard" / "results")
+    assert got == {"probe/A/accuracy": [(10, 0.625), (20, 0.875)], "finetune/A/accuracy": [(10, 0.75)],
+                   "flatness/fisher/trace": [(10, 12.5)], "flatness/hutchinson_grown4x256/trace": [(20, 3.25)]}
