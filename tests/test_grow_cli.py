@@ -57,4 +57,4 @@ def test_help_texts_name_presets_overrides_and_each_shape_once():
     assert "preset" in train_help and "--config.section.field=value" in train_help
     grow_help = " ".join(sub["grow"].format_help().split())
     shapes = grow_help.split("Table 3 or 4: ")[1].split(" --d-model")[0].split(", ")
-    assert len(shapes) == len(set(shapes)) and "L8-H512" in shapes and "L24-H3072" in shapes
+    assert len(shapes) == len(set(shapes)) and "L8-H512" in shapes and "L20-H1920" in shapes  # Tables 3 and 4
