@@ -102,10 +102,12 @@ def find_runs(dirs: list[str]) -> list[RunData]:
         if not candidates:
             raise UserError(f"{d} holds no flatlm run (no config.json, no runs/*/config.json)")
         for c in candidates:
+            rows = read_metrics(str(c))
+            ranks = [m for m in rows if any(k.startswith("rank/") for k in m)]  # train.rank_every
             runs.append(RunData(name=c.name, path=c,
                                 config=json.loads((c / "config.json").read_text()),
-                                evals=[m for m in read_metrics(str(c)) if "eval/loss" in m],
-                                results=results_lib.load(str(c))))
+                                evals=[m for m in rows if "eval/loss" in m],
+                                results=results_lib.load(str(c)), extra={"ranks": ranks} if ranks else {}))
     return runs
 
 
@@ -219,6 +221,13 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         plots.save(fig, out_dir / f"{name}.png")
         md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
                   f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
+
+    # 4b. what training adds: rank of W - W0 per weight matrix (train.rank_every), one panel per run
+    ranked = [r for r in runs if r.extra.get("ranks")]
+    if ranked:
+        plots.save(plots.rank_vs_steps(ranked[:6]), out_dir / "rank_vs_steps.png")
+        md.append("## Rank of W - W0 along training (numerical rank, singular values > 1e-3 of the largest)\n\n"
+                  "![rank](rank_vs_steps.png) ([pdf](rank_vs_steps.pdf))\n")
 
     # 5. Table 1/2 layout: last checkpoint of every run, plus the lookup table
     header = ["run", "params", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \

@@ -119,6 +119,20 @@ def accuracy_vs_size(sized, tasks: list[str]) -> Figure:
     return fig
 
 
+def rank_vs_steps(runs) -> Figure:
+    """Per run (<= 6 panels), the numerical rank of W - W0 of every weight matrix against the step."""
+    fig, axes = subplots(len(runs), figsize=(5 * len(runs), 4))
+    for ax, r in zip(np.atleast_1d(axes), runs, strict=True):
+        rows = r.extra["ranks"]
+        names = sorted({k[len("rank/"):] for m in rows for k in m if k.startswith("rank/")})
+        for name in names:
+            pts = [(m["step"], m[f"rank/{name}"]) for m in rows if f"rank/{name}" in m]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=name)
+        ax.set(xlabel="step", ylabel="numerical rank of W - W0", title=r.name)
+        ax.legend(fontsize=6)
+    return fig
+
+
 def tick_labels_overlap(fig: Figure, axis: str = "x") -> bool:
     """Whether any two visible tick labels of an axes of `fig` overlap once drawn (used by the tests)."""
     renderer = FigureCanvasAgg(fig).get_renderer()

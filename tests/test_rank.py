@@ -39,3 +39,19 @@ def test_training_logs_the_rank_of_what_it_learned(tmp_path):
     assert sorted(ranked) == [5, 10]
     qkv = "rank/layer_0/attn/qkv"
     assert 1 <= ranked[5][qkv] <= 64 and ranked[10]["sv0/layer_0/attn/qkv"] > ranked[5]["sv0/layer_0/attn/qkv"]
+
+
+def test_the_report_draws_rank_vs_steps(tmp_path):
+    """`flatlm report` on a run with rank rows in metrics.jsonl gets the rank panel (png and pdf)."""
+    from flatlm.config import base_config
+    from flatlm.report import make_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(base_config().to_json_best_effort())
+    rows = [{"step": s, "eval/loss": 2.0, "eval/kl": 0.1, "eval/entropy": 1.9} for s in (5, 10)]
+    rows += [{"step": s, "rank/layer_0/mlp/wi": r, "sv0/layer_0/mlp/wi": 0.1 * s} for s, r in ((5, 1.0), (10, 3.0))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = make_report([str(run)], str(tmp_path / "report"))
+    assert "Rank of W - W0" in out.read_text()
+    assert (tmp_path / "report" / "rank_vs_steps.png").exists() and (tmp_path / "report" / "rank_vs_steps.pdf").exists()
