@@ -319,10 +319,15 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
     return ClaimResult("C4", *SUITE["C4"][:2], found, checks, notes)
 
 
+def load_preset(workdir: str) -> str:
+    """The preset `run_suite` recorded in `<workdir>/suite.json` ("cpu" if none)."""
+    meta = paths.path(workdir) / "suite.json"
+    return json.loads(meta.read_text())["preset"] if meta.exists() else "cpu"
+
+
 def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:
     """The verdict of every claim whose experiments exist under `workdir` (for the preset `run_suite` recorded)."""
-    meta = paths.path(workdir) / "suite.json"
-    preset = json.loads(meta.read_text())["preset"] if meta.exists() else "cpu"
+    preset = load_preset(workdir)
     steps = plan(preset)
     d = {name: experiment_dir(workdir, name, lang) for exps in steps.values() for name, lang in exps}
     tables = [d[n] for n in ("table1_hmm", "table1", "table2") if n in d]
