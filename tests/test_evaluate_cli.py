@@ -57,4 +57,4 @@ def test_bad_steps_and_workdirs_are_user_errors(tmp_path, trained):
     proc = run_cli("evaluate", "--workdir", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "not a flatlm run" in proc.stderr
     proc = run_cli("evaluate", "--workdir", str(trained), "--task", "k99")
-    assert proc.returncode == 2 and "k<position>" in proc.stderr
+    assert proc.returncode == 2 and "task-1 .. task-8" in proc.stderr
