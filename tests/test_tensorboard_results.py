@@ -32,6 +32,7 @@ def test_results_are_logged_to_tensorboard(tmp_path):
         {"kind": "exact_loss", "step": 10, "loss": 1.5}])  # already in metrics.jsonl's eval/ scalars: not again
     results.append(str(tmp_path), [{"kind": "flatness", "step": 20, "method": "hutchinson", "grown_to": (4, 256),
                                     "trace": 3.25}, {"kind": "probe", "step": 20, "task": "A", "accuracy": 0.875}])
-    got = read_scalars(tmp_path / "tensorboard" / "results")
+    # one event file per append, named with a random suffix: their order on disk is arbitrary, so sort by step
+    got = {tag: sorted(points) for tag, points in read_scalars(tmp_path / "tensorboard" / "results").items()}
     assert got == {"probe/A/accuracy": [(10, 0.625), (20, 0.875)], "finetune/A/accuracy": [(10, 0.75)],
                    "flatness/fisher/trace": [(10, 12.5)], "flatness/hutchinson_grown4x256/trace": [(20, 3.25)]}
