@@ -84,7 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
             # Flatness-seeking objectives (beyond the paper; flatlm.train.flat_objectives.FlatConfig documents
             # every field): method "none" | "sam" | "label_noise" | "trace_penalty".
             flat=ml_collections.ConfigDict(dict(method="none", rho=0.05, ascent_groups=1, noise_p=0.1,
-                                                noise_source="model", gamma=0.01, probes=1)),
+                                                noise_source="model", gamma=0.01, probes=1, penalty="fisher")),
         )
     )
     c.eval = ml_collections.ConfigDict(

@@ -95,6 +95,7 @@ def test_trace_penalty_estimates_the_exact_trace(tiny):
     assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)) + 1e-3 * abs(exact)
 
 
+@pytest.mark.slow
 def test_trace_penalty_adds_gamma_times_the_estimate(tiny):
     apply_fn, params, batch = tiny
     obj = flat.make_objective(flat.FlatConfig(method="trace_penalty", gamma=0.5, probes=4))
@@ -111,8 +112,18 @@ def test_bad_flat_configs_are_one_line_errors():
             flat.validate(flat.FlatConfig(**bad), batch_size=64)
 
 
-@pytest.mark.parametrize("method", ["sam", pytest.param("label_noise", marks=pytest.mark.slow),
-                                    pytest.param("trace_penalty", marks=pytest.mark.slow)])
+def test_training_with_sam_logs_its_sharpness(tmp_path):
+    """The loop picks train.flat's objective: a short SAM run logs the perturbed loss and its sharpness."""
+    out = run_cli("train", "--config", f"{REPO}/configs/hmm_mlm.py:tiny", "--quiet", "--config.train.steps=4",
+                  "--config.train.log_every=2", "--config.train.eval_every=4", "--config.checkpoint.every=4",
+                  "--config.train.flat.method=sam", "--workdir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("train/sam_sharpness", -1) > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sam", "label_noise", "trace_penalty"])
 def test_training_with_each_method_runs_and_resumes_the_same(tmp_path, method):
     """20 steps straight vs 10 + 10 resumed: the same final metrics (randomness keyed by step)."""
     args = ["train", "--config", f"{REPO}/configs/hmm_mlm.py:tiny", "--quiet", "--config.train.steps=20",
@@ -127,3 +138,20 @@ def test_training_with_each_method_runs_and_resumes_the_same(tmp_path, method):
     rows_b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     last = lambda rs: [r for r in rs if r["step"] == 20 and "train/loss" in r][-1]["train/loss"]
     assert last(rows) == pytest.approx(last(rows_b), rel=1e-6)
+
+
+def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny):
+    """E[penalty] = (1/n) sum_i sum_y p(y | x_i) ||grad log p(y | x_i)||^2 over the masked positions (full Jacobian)."""
+    apply_fn, params, batch = tiny
+    rows, cols = jnp.nonzero(batch["weights"])
+
+    def logp(p):
+        return jax.nn.log_softmax(apply_fn({"params": p}, batch["tokens"])[rows, cols])  # [n, V]
+
+    jac, probs = jax.jacrev(logp)(params), jnp.exp(logp(params))
+    sq = sum(jnp.sum(g.reshape(*probs.shape, -1) ** 2, -1) for g in jax.tree.leaves(jac))
+    exact = float(jnp.sum(probs * sq) / len(rows))
+    penalty = jax.jit(flat.fisher_penalty, static_argnames=("apply_fn", "probes"))
+    samples = np.array([float(penalty(params, batch, apply_fn, jax.random.key(s), 16)) for s in range(24)])
+    assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)), (samples.mean(), exact)
+    assert samples.min() >= 0  # a sum of squares: the penalty cannot reward curvature of either sign

@@ -20,7 +20,8 @@ def _model(d: int, layers: int = 2, d_embed: int = 0):
     return cfg, BiLSTM(cfg)
 
 
-@pytest.mark.parametrize("k,d_embed", [(2, 0), (3, 0), (2, 5)])
+@pytest.mark.parametrize("k,d_embed", [(2, 0), pytest.param(3, 0, marks=pytest.mark.slow),
+                                       pytest.param(2, 5, marks=pytest.mark.slow)])
 def test_grown_bilstm_computes_the_same_logits(k, d_embed):
     small_cfg, small = _model(4, d_embed=d_embed)
     tokens = jax.random.randint(jax.random.key(1), (5, 6), 0, 10)
