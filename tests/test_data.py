@@ -109,3 +109,12 @@ def test_hmm_task_names_are_the_papers_one_based_variables():
     np.testing.assert_array_equal(a["label"], b["label"])
     with pytest.raises(UserError, match="task-1 .. task-6"):
         tasks.check_task(hmm, "hmm", "task-7")
+
+
+def test_quiet_task_builds_print_nothing(tmp_path, capfd):
+    """`--quiet` (issue 16 item 7): building a downstream task's splits prints no tfds banner or progress bar."""
+    spec = {"name": "hmm", "seed": 0, "num_states": 6, "vocab_size": 8, "length": 6, "num_blocks": 2}
+    out = tasks.build_task(spec, "k2", str(tmp_path), (40, 10, 10), seed=0, quiet=True)
+    captured = capfd.readouterr()
+    assert len(out["train"]["label"]) == 40
+    assert "Downloading and preparing" not in captured.err + captured.out and "examples" not in captured.err

@@ -164,16 +164,22 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
         builder = FlatlmCorpus(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
         if not builder.is_prepared():
             check_space(builder, data_dir)
-        if quiet:
-            tfds.disable_progress_bar()
-        # tfds prints its "Downloading and preparing dataset" banner on stdout: keep stdout for results (stderr),
-        # and with `quiet` drop it, with tfds' own log lines
-        with contextlib.ExitStack() as stack:
-            sink = stack.enter_context(open(os.devnull, "w")) if quiet else sys.stderr  # noqa: SIM115 - in stack
-            stack.enter_context(contextlib.redirect_stdout(sink))
-            stack.enter_context(_quiet_logs(quiet))
+        with tfds_output(quiet):
             builder.download_and_prepare()
     return builder
+
+
+@contextlib.contextmanager
+def tfds_output(quiet: bool) -> Iterator[None]:
+    """Around a tfds `download_and_prepare`: its "Downloading and preparing dataset" banner goes to stderr (stdout
+    is for results), and with `quiet` the banner, the progress bars and tfds' own log lines are dropped."""
+    if quiet:
+        tfds.disable_progress_bar()
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open(os.devnull, "w")) if quiet else sys.stderr  # noqa: SIM115 - in stack
+        stack.enter_context(contextlib.redirect_stdout(sink))
+        stack.enter_context(_quiet_logs(quiet))
+        yield
 
 
 @contextlib.contextmanager

@@ -11,19 +11,17 @@ Task names per language:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from flatlm.data import glue
-from flatlm.data.builder import building
+from flatlm.data.builder import building, tfds_output
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 
@@ -156,9 +154,7 @@ def build_task(language_spec: dict, task: str, data_dir: str, sizes: tuple[int, 
     with building(FlatlmTask, config.name, data_dir):  # one process builds it, others wait for it
         builder = FlatlmTask(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
         check_task(builder.language, language_spec["name"], task)
-        if quiet:
-            tfds.disable_progress_bar()
-        with contextlib.redirect_stdout(sys.stderr):
+        with tfds_output(quiet):  # the banner on stderr, and nothing at all with `quiet`
             builder.download_and_prepare()
     out = {}
     for split, src in builder.as_data_source().items():
