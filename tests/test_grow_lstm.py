@@ -46,6 +46,7 @@ def test_depth_and_non_multiple_widths_are_refused():
         grow_lstm.embed_lstm(params, cfg, grow_lstm.grown_lstm_config(cfg, 6))
 
 
+@pytest.mark.slow
 def test_flatness_of_a_grown_bilstm_is_finite_and_its_loss_unchanged():
     """The Fisher trace works on the BiLSTM and its grown view; the grown view has the same MLM loss."""
     cfg, small = _model(4, layers=1)

@@ -29,6 +29,7 @@ def test_a_rank_one_update_has_rank_one_and_its_singular_value():
     assert rank.update_ranks(w, w0)["rank/layer_0/mlp/wi"] == 2
 
 
+@pytest.mark.slow
 def test_training_logs_the_rank_of_what_it_learned(tmp_path):
     out = run_cli("train", "--config", f"{REPO}/configs/hmm_mlm.py:tiny", "--workdir", str(tmp_path), "--quiet",
                   "--config.train.steps=10", "--config.train.rank_every=5", "--config.train.eval_every=10",

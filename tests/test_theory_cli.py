@@ -51,6 +51,7 @@ def test_theory_dyck_table_and_user_errors(tmp_path, capsys):
         args.func(args)
 
 
+@pytest.mark.slow
 def test_theory_dyck_search_and_label_noise(tmp_path, capsys):
     """--search and --label-noise write their parts of results.json, the search figure (png and pdf) and tables."""
     args = _parse("theory", "dyck", "--T", "4", "--m", "16", "--draw", "mirrored", "--seeds", "0", "--steps", "20",
