@@ -61,3 +61,16 @@ def test_slq_moments_estimate_trace_and_frobenius_norm(problem):
     grid = np.linspace(eig.min() - 1, eig.max() + 1, 4001)
     assert np.trapezoid(density.curve(grid), grid) == pytest.approx(1.0, abs=1e-3)
     assert density.nodes.max() == pytest.approx(eig.max(), rel=1e-6)  # 12 steps resolve the extreme eigenvalue
+
+
+def test_preconditioned_sharpness_is_the_top_eigenvalue_of_p_inverse_h(problem):
+    """Against eigvals of P^-1 H built densely (a non-symmetric matrix with the same spectrum as the symmetric form)."""
+    loss_fn, params, H, _ = problem
+    with jax.enable_x64(True):
+        nu = jax.tree.map(lambda x: 0.01 + jnp.abs(x) ** 2, params)  # any positive second moments
+        got = spectrum.preconditioned_sharpness(loss_fn, params, nu, jax.random.key(5), b2=0.999, step=10,
+                                                num_iters=H.shape[0])
+        p = ravel_pytree(jax.tree.map(lambda v: jnp.sqrt(v / (1 - 0.999 ** 10)) + 1e-8, nu))[0]
+    want = np.max(np.linalg.eigvals(np.asarray(H) / np.asarray(p)[:, None]).real)
+    assert got.values[0] == pytest.approx(want, rel=1e-7)
+    assert spectrum.adam_edge_of_stability(1e-3) == pytest.approx(38_000)

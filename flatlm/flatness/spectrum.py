@@ -156,3 +156,25 @@ def spectral_density(loss_fn: Callable[[Params], jax.Array], params: Params, key
         theta, S = _ritz(alphas, betas)
         nodes[i, : len(theta)], weights[i, : len(theta)] = theta, S[0] ** 2
     return Density(nodes, weights, num_params(params))
+
+
+def adam_edge_of_stability(lr: float, b1: float = 0.9) -> float:
+    """The preconditioned sharpness Adam hovers near at the edge of stability, 2 (1 + b1) / ((1 - b1) lr)
+    (Cohen et al. 2022): 38 / lr for b1 = 0.9. A sanity check for `preconditioned_sharpness` on Adam runs."""
+    return 2.0 * (1.0 + b1) / ((1.0 - b1) * lr)
+
+
+def preconditioned_sharpness(loss_fn: Callable[[Params], jax.Array], params: Params, second_moment: Params,
+                             key: jax.Array, *, b2: float = 0.999, step: int = 0, eps: float = 1e-8,
+                             num_iters: int = 20) -> TopEigenvalues:
+    """Top eigenvalue of P^-1 H for Adam's preconditioner P = diag(sqrt(nu_hat) + eps) by Lanczos on the similar
+    symmetric P^-1/2 H P^-1/2 (same eigenvalues). `second_moment` is Adam's nu (optax's `ScaleByAdamState.nu`),
+    bias-corrected by 1 - b2^step when `step` > 0; compare with `adam_edge_of_stability(lr, b1)`."""
+    corr = 1.0 - b2 ** step if step > 0 else 1.0
+    inv_sqrt_p = jax.tree.map(lambda nu: 1.0 / jnp.sqrt(jnp.sqrt(nu / corr) + eps), second_moment)
+    hv = jax.jit(hvp_fn(loss_fn, params))
+
+    def matvec(v):
+        return jax.tree.map(jnp.multiply, inv_sqrt_p, hv(jax.tree.map(jnp.multiply, inv_sqrt_p, v)))
+
+    return top_eigenvalues(loss_fn, params, key, k=1, num_iters=num_iters, matvec=matvec)
