@@ -3,8 +3,6 @@ headless by nbclient on a synthetic suite (the fixtures of test_reproduce), with
 
 from __future__ import annotations
 
-import os
-
 import nbformat
 import pytest
 from conftest import REPO
@@ -46,4 +44,3 @@ def test_claim_notebook_shows_verdict_and_figures(tmp_path, monkeypatch, cid, ma
     assert f"{cid} (" in text and "The paper:" in text and "Same-loss checks:" in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert os.environ["FLATLM_REPRODUCE_WORKDIR"] == str(tmp_path)

@@ -100,7 +100,7 @@ def label_noise_objective(cfg: FlatConfig):
             logits = jax.lax.stop_gradient(apply_fn({"params": params}, batch["tokens"]))
             drawn = jax.random.categorical(k_draw, logits.astype(jnp.float32), axis=-1)
         else:
-            num_words = apply_fn({"params": params}, batch["tokens"][:1]).shape[-1]
+            num_words = jax.eval_shape(apply_fn, {"params": params}, batch["tokens"][:1]).shape[-1]  # shape only
             drawn = jax.random.randint(k_draw, targets.shape, 0, num_words)
         flip = jax.random.bernoulli(k_pick, cfg.noise_p, targets.shape)
         noisy = {**batch, "targets": jnp.where(flip, drawn, targets).astype(targets.dtype)}
