@@ -196,13 +196,25 @@ class HMM:
 
     def _run(self, fn, tokens, lengths, chunk_size: int) -> np.ndarray:
         """Applies a jitted kernel in chunks of at most chunk_size sentences, padding each call to a bucket
-        size (a power of two up to chunk_size) so that only a few shapes are ever compiled."""
+        size (a power of two up to chunk_size) so that only a few shapes are ever compiled. Chunk i+1 is
+        dispatched before chunk i is copied to the host, so device work overlaps the transfer."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         tokens_NT, lengths_N = self._check_batch(tokens, lengths)
         n = tokens_NT.shape[0]
         params = self._params()
-        out = None
+        out, pending = None, []  # pending: (start, rows, device result) not yet copied
+
+        def drain(start, b, result):
+            nonlocal out
+            chunk = np.asarray(result)[:b]
+            if n <= chunk_size:
+                return chunk
+            if out is None:
+                out = np.empty((n, *chunk.shape[1:]), chunk.dtype)
+            out[start : start + b] = chunk
+            return None
+
         for start in range(0, max(n, 1), chunk_size):
             tok_BT, len_B = tokens_NT[start : start + chunk_size], lengths_N[start : start + chunk_size]
             b = tok_BT.shape[0]
@@ -211,13 +223,13 @@ class HMM:
                 pad = special_ids(self.vocab_size).pad
                 tok_BT = np.pad(tok_BT, ((0, bucket - b), (0, 0)), constant_values=pad)
                 len_B = np.pad(len_B, (0, bucket - b))
-            chunk = np.asarray(fn(*params, tok_BT, len_B))[:b]
-            if n <= chunk_size:
-                return chunk
-            if out is None:
-                out = np.empty((n, *chunk.shape[1:]), chunk.dtype)
-            out[start : start + b] = chunk  # copied now, so the chunk's buffer is reused by the next call
-        return out
+            result = fn(*params, tok_BT, len_B)
+            result.copy_to_host_async()
+            pending.append((start, b, result))
+            if len(pending) > 1:
+                drain(*pending.pop(0))
+        last = drain(*pending.pop())
+        return out if last is None else last
 
 
 class _RowSampler:

@@ -1,0 +1,276 @@
+"""Accelerator benchmarks (issue 17's GPU goals): MLM step MFU at L12-H768 bf16, PCFG and HMM conditionals.
+
+    python benchmarks/gpu.py [--out results.json] [--small] [--batches 512,4096] [--no-hf] [--hf-modes eager,compile]
+
+Rows, all measured in one run on the first JAX device:
+- matmul peaks: an 8192^3 bf16 and float32 jitted matmul (the ceilings MFU is read against, next to the
+  vendor's dense bf16 figure when the device is known);
+- the library's MLM train step (`flatlm.train.step.train_step`, AdamW, real `Bert`) at L12-H768 (BERT-base,
+  Table 3), sequence length 32, bf16 compute with float32 parameters, dropout on and off; MFU = model FLOPs
+  (3 x forward: 24 L D^2 + 4 L T D + head, per token; `bert_train_flops`) / step time / peak;
+- when torch + transformers import and CUDA is there: Hugging Face BertForMaskedLM at the same shape at its
+  best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept);
+- exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
+  paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out).
+
+Step times are medians of `--rounds` rounds of `--steps` back-to-back steps (dispatch pipelined, one sync per
+round). Never part of the tests: CI has no accelerator. Results for a device go in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+import traceback
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flatlm.config import base_config
+from flatlm.data.masking import mask_batch
+from flatlm.languages import hmm as hmm_lib
+from flatlm.languages.hmm import random_hmm
+from flatlm.languages.pcfg import dense_grammar, random_grammar
+from flatlm.models import Bert, model_config
+from flatlm.train import optim
+from flatlm.train.step import train_step
+
+NUM_WORDS, SEQ_LEN = 200, 32
+VENDOR_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (datasheets)
+
+
+def median_time(fn, rounds: int, per_round: int) -> float:
+    """Median over `rounds` of the wall seconds per call of `per_round` back-to-back calls (fn syncs itself
+    only when told: fn(sync) must block iff sync)."""
+    fn(True)
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for i in range(per_round):
+            fn(i == per_round - 1)
+        out.append((time.perf_counter() - t) / per_round)
+    return float(np.median(out))
+
+
+def matmul_tflops(n: int, dtype) -> float:
+    """TFLOP/s of one jitted n^3 matmul on random data (median of 10 rounds of 5)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a, b = jax.random.normal(k1, (n, n), dtype), jax.random.normal(k2, (n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    holder = {}
+
+    def call(sync):
+        holder["y"] = f(a, b)
+        if sync:
+            holder["y"].block_until_ready()
+
+    return 2 * n**3 / median_time(call, 10, 5) / 1e12
+
+
+def bert_train_flops(d: int, layers: int, ff: int, seq: int, vocab: int, tokens: int) -> float:
+    """Model FLOPs of one train step (forward + backward = 3 x forward), matmuls only: per token and layer
+    qkv 6D^2, out 2D^2, MLP 4 D ff, attention scores + values 4 T D; the head's dense 2D^2 and output 2 D V."""
+    per_token = layers * (8 * d * d + 4 * d * ff + 4 * seq * d) + 2 * d * d + 2 * d * vocab
+    return 3.0 * per_token * tokens
+
+
+def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: int, steps: int) -> dict:
+    """Median step time and MFU of the library's jitted, donated MLM train step."""
+    c = base_config()
+    c.model.shape, c.model.dtype = shape, dtype
+    cfg = model_config(c.model, NUM_WORDS, SEQ_LEN)
+    model, optimizer = Bert(cfg), optim.optimizer(c.train)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, NUM_WORDS, (batch_size, SEQ_LEN))
+    batch = jax.device_put(mask_batch(tokens, np.full(batch_size, SEQ_LEN), NUM_WORDS, rng, masking="bert"))
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((2, SEQ_LEN), jnp.int32))["params"])
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    fn = jax.jit(functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, dropout=dropout),
+                 donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    holder = {"s": state}
+
+    def call(sync):
+        holder["s"], metrics = compiled(holder["s"], batch)
+        if sync:
+            jax.block_until_ready(metrics)
+
+    sec = median_time(call, rounds, steps)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    flops = bert_train_flops(cfg.d_model, cfg.num_layers, cfg.ff, SEQ_LEN, NUM_WORDS, batch_size * SEQ_LEN)
+    return dict(shape=shape, batch=batch_size, dtype=dtype, dropout=dropout, params=n_params, step_s=sec,
+                tokens_per_s=batch_size * SEQ_LEN / sec, model_tflops=flops / sec / 1e12, compile_s=compile_s)
+
+
+def hf_step(shape_dl: tuple[int, int], batch_size: int, rounds: int, steps: int, modes: list[str]) -> dict:
+    """Hugging Face BertForMaskedLM at its best on CUDA: bf16 autocast, SDPA, gelu_pytorch_tanh, fused AdamW;
+    eager, and torch.compile when asked (the faster is kept and named)."""
+    import torch  # optional peer: only on machines with torch  # reason: optional dependency
+    import transformers  # reason: optional dependency
+
+    transformers.logging.set_verbosity_error()
+    layers, d = shape_dl
+    hf_cfg = transformers.BertConfig(vocab_size=NUM_WORDS + 3, hidden_size=d, num_hidden_layers=layers,
+                                     num_attention_heads=d // 64, intermediate_size=4 * d,
+                                     max_position_embeddings=SEQ_LEN, hidden_act="gelu_pytorch_tanh",
+                                     attn_implementation="sdpa")
+    rng = np.random.default_rng(0)
+    tokens = torch.tensor(rng.integers(0, NUM_WORDS, (batch_size, SEQ_LEN)), device="cuda")
+    labels = torch.where(torch.rand(tokens.shape, device="cuda") < 0.15, tokens, -100)
+    results = {}
+    for mode in modes:
+        model = transformers.BertForMaskedLM(hf_cfg).cuda().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(model=model, opt=opt):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        run = torch.compile(step) if mode == "compile" else step
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+
+        def call(sync, run=run):
+            run()
+            if sync:
+                torch.cuda.synchronize()
+
+        results[mode] = median_time(call, rounds, steps)
+    best = min(results, key=results.get)
+    sec = results[best]
+    flops = bert_train_flops(d, layers, 4 * d, SEQ_LEN, NUM_WORDS + 3, batch_size * SEQ_LEN)
+    return dict(batch=batch_size, best=best, step_s=sec, all_s=results, tokens_per_s=batch_size * SEQ_LEN / sec,
+                model_tflops=flops / sec / 1e12, torch=torch.__version__, transformers=transformers.__version__)
+
+
+def throughput(call, n: int, rounds: int = 5) -> dict:
+    """Sentences/s of a blocking call on n sentences (median of `rounds` after a compiling first call)."""
+    t = time.perf_counter()
+    call()
+    first = time.perf_counter() - t
+    sec = median_time(lambda sync: call(), rounds, 1)
+    return dict(sentences=n, seconds=sec, sentences_per_s=n / sec, compile_s=max(first - sec, 0.0))
+
+
+def conditionals_rows(small: bool, which: list[str]) -> dict:
+    """Exact conditionals throughput for the released-shape PCFG, a dense PCFG and the paper's HMM."""
+    rows = {}
+    if "pcfg" in which:
+        rows.update(pcfg_rows(small))
+    if "hmm" in which:
+        rows.update(hmm_rows(small))
+    return rows
+
+
+def pcfg_rows(small: bool) -> dict:
+    """The released-shape PCFG and a dense N=50 PCFG at T=32, end to end (host arrays out)."""
+    rows = {}
+    n_pcfg, chunk = (256, 256) if small else (16384, 4096)
+    g = random_grammar(0, batch_size=chunk)
+    c = g.sample(n_pcfg, seed=1)
+    rows[f"pcfg released-shape, chunk {chunk}"] = throughput(lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)
+    n_dense = 64 if small else 2048
+    d = dense_grammar(0, max_length=32, batch_size=min(n_dense, 512))
+    toks = np.random.default_rng(0).integers(0, d.vocab_size, (n_dense, 32)).astype(np.int32)
+    rows["pcfg dense N=50 T=32"] = throughput(lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)
+    return rows
+
+
+def hmm_rows(small: bool) -> dict:
+    """The paper's HMM end to end (host arrays out) and its kernel alone on device-resident inputs."""
+    rows = {}
+    hmm = random_hmm(seed=0)
+    n_hmm, hchunk = (1024, 1024) if small else (262144, 65536)
+    h = hmm.sample(n_hmm, seed=1)
+    rows[f"hmm K=100 V=200 T=16, chunk {hchunk}"] = throughput(
+        lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=hchunk), n_hmm)
+    # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
+    # exact-loss evaluator's KL) sees, without the [n, T, V] float32 copy to the host (12.8 kB a sentence).
+    params = hmm._params()
+    tok, lens = jax.device_put(h.tokens[:hchunk]), jax.device_put(h.lengths[:hchunk])
+    rows[f"hmm kernel on device, batch {hchunk}"] = throughput(
+        lambda: hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready(), hchunk)
+    return rows
+
+
+def guarded(name: str, fn, out: dict):
+    """Run one section; a failure is recorded (and printed), not fatal to the others."""
+    try:
+        out[name] = fn()
+    except Exception as e:  # noqa: BLE001 - one failing section must not lose the others' numbers
+        traceback.print_exc()
+        out[name] = {"error": f"{type(e).__name__}: {e}"}
+
+
+def main(argv=None) -> int:
+    """Run every section, write the JSON, print a summary table; returns 0."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="write all results here as JSON")
+    p.add_argument("--small", action="store_true", help="tiny sizes: check the script on a CPU")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--hf-modes", default="eager,compile", help="HF variants to time (the faster is kept)")
+    p.add_argument("--batches", default=None, help="MLM batches, comma-separated (default 512,4096; --small: 8)")
+    p.add_argument("--hf-batch", type=int, default=None, help="HF peer batch (default: the last of --batches)")
+    p.add_argument("--no-f32", action="store_true", help="skip the float32 step")
+    p.add_argument("--conditionals", default="pcfg,hmm", help="which conditionals rows (pcfg,hmm; '' for none)")
+    args = p.parse_args(argv)
+    dev = jax.devices()[0]
+    res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__}
+    if dev.platform == "cpu" and not args.small:
+        print("benchmarks/gpu.py: no accelerator, skipped (results on one: benchmarks/RESULTS.md; "
+              "--small checks the script on a CPU)")
+        return 0
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
+    n = 512 if args.small else 8192
+    guarded("matmul_bf16_tflops", lambda: matmul_tflops(n, jnp.bfloat16), res)
+    guarded("matmul_f32_tflops", lambda: matmul_tflops(n, jnp.float32), res)
+    shape = "L1-H64" if args.small else "L12-H768"
+    batches = [int(b) for b in (args.batches or ("8" if args.small else "512,4096")).split(",")]
+    rounds, steps = (2, 2) if args.small else (5, 10)
+    cases = [(b, "bfloat16", True) for b in batches] + [(batches[-1], "bfloat16", False)]
+    cases += [] if args.no_f32 else [(batches[0], "float32", True)]
+    for batch, dtype, dropout in cases:
+        guarded(f"flatlm {shape} B{batch} {dtype} dropout={dropout}",
+                functools.partial(flatlm_step, shape, batch, dtype, dropout, rounds, steps), res)
+    if not args.no_hf and dev.platform == "gpu":
+        hb = args.hf_batch or batches[-1]
+        guarded(f"hf {shape} B{hb} bf16 autocast",
+                lambda: hf_step((12, 768), hb, rounds, steps, args.hf_modes.split(",")), res)
+    if args.conditionals:
+        guarded("conditionals", lambda: conditionals_rows(args.small, args.conditionals.split(",")), res)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    vendor = next((v for k, v in VENDOR_BF16_TFLOPS.items() if k in dev.device_kind), None)
+    peak = res.get("matmul_bf16_tflops")
+    print(f"\nbf16 matmul {n}^3: {peak if isinstance(peak, float) else peak} TFLOP/s measured; "
+          f"vendor dense bf16: {vendor or 'unknown'}")
+    for k, v in res.items():
+        if k.startswith(("flatlm", "hf")) and "error" not in v:
+            mfu = v["model_tflops"] / peak if isinstance(peak, float) else float("nan")
+            mfu_v = v["model_tflops"] / vendor if vendor else float("nan")
+            print(f"{k:42s} {v['step_s'] * 1e3:8.2f} ms/step {v['tokens_per_s']:12,.0f} tok/s "
+                  f"{v['model_tflops']:7.1f} TFLOP/s  MFU {100 * mfu:5.1f}% of measured, {100 * mfu_v:5.1f}% of vendor")
+    for k, v in (res.get("conditionals") or {}).items():
+        if isinstance(v, dict) and "sentences_per_s" in v:
+            print(f"{k:42s} {v['sentences_per_s']:14,.0f} sent/s  (compile {v['compile_s']:.1f} s)")
+    errors = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
+    if errors:
+        print("FAILED sections:", ", ".join(errors))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
