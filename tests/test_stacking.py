@@ -219,3 +219,40 @@ def test_a_stacked_run_resumes_exactly_mid_stage_at_and_after_a_boundary(tmp_pat
         if stop <= 4:
             with pytest.raises(UserError, match="stage of 1 layers"):
                 run.load_params(stop)
+
+
+def test_report_section_compute_and_paired_effects(tmp_path):
+    """`flatlm report`'s stacking section: layer-steps and the FLOPs ratio by hand (tokens cancel), the same-loss
+    count and the paired effect against scipy's t quantile."""
+    from scipy import stats
+
+    from flatlm.config import save_workdir_config
+    from flatlm.report import RunData
+    from flatlm.report_stacking import sections
+
+    probe = {("plain", 0): 0.50, ("plain", 1): 0.60, ("midas", 0): 0.55, ("midas", 1): 0.58}
+    kl = {("plain", 0): 0.01, ("plain", 1): 0.01, ("midas", 0): 0.011, ("midas", 1): 0.05}  # seed 1: KL > 0.02
+    runs = []
+    for (arm, seed), acc in probe.items():
+        extra = ["--config.train.stacking.stages=((1,30),(2,30))"] if arm == "midas" else []
+        save_workdir_config(_train_config(*extra), str(tmp_path / f"{arm}-seed{seed}"))
+        results = [{"kind": "exact_loss", "step": 60, "loss": 1.0 + kl[arm, seed], "kl": kl[arm, seed],
+                    "loss_std": 0.001},
+                   {"kind": "probe", "step": 60, "task": "k4", "accuracy": acc},
+                   {"kind": "flatness", "step": 60, "method": "fisher", "trace": 10.0 * acc}]
+        runs.append(RunData(name=f"{arm}-seed{seed}", path=tmp_path / f"{arm}-seed{seed}", config={}, evals=[],
+                            results=results))
+    md = sections(runs)
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in md
+             if line.startswith("| ") and not line.startswith("| run") and not line.startswith("| arm")}
+    D, F, V, T = 64, 256, 20, 8  # configs/hmm_mlm.py:tiny
+    per_token = lambda L: 6 * (L * (4 * D * D + 2 * D * F) + D * D + V * D) + L * 12 * T * D  # noqa: E731
+    assert cells["plain-seed0"][2] == "120" and cells["midas-seed1"][2] == "90"
+    assert cells["midas-seed0"][4] == f"{(per_token(1) + per_token(2)) / (2 * per_token(2)):.2f}"
+    row = cells["midas"]
+    assert row[1:3] == ["2", "1 of 2"]
+    d = np.array([0.55 - 0.50, 0.58 - 0.60])
+    half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2)
+    assert row[4] == f"{100 * d.mean():+.3g} [{100 * (d.mean() - half):+.3g}, {100 * (d.mean() + half):+.3g}]"
+    assert row[5] == "-" and row[6].startswith(f"{10 * d.mean():+.3g} [")
+    assert sections(runs[:2]) == []  # no stacked run: no section
