@@ -17,7 +17,7 @@ Width x k (k = d_model' / d_model, an integer). The residual stream is replicate
   and bias are divided by k (the tied matrix cannot be scaled on one side only).
 Exact (up to floating-point summation order) for pre-LN and post-LN.
 
-Depth +n layers.
+Depth +n layers (the blocks and the LayerNorm move are `flatlm.models.stacking`'s, shared with `train.stacking`).
 - Pre-LN: new blocks with zero output projections (attn.out, out_bias, mlp.wo, bo) add 0 to the residual stream:
   exact. Their other weights are zero (default) or freshly initialised (`key`).
 - Post-LN: the paper's recipe (new blocks with zero branches, every small-model tensor copied) is NOT exact, and
