@@ -48,7 +48,8 @@ def _final(run) -> dict:
     pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)
     traces = sorted(at("flatness"), key=lambda e: (e.get("method") != "fisher", bool(e.get("grown_to"))))
     return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
-            "trace": traces[0]["trace"] if traces else None, "task": task}
+            "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
+            "task": task}
 
 
 def _effect(control: dict, treated: dict, key: str, scale: float) -> str:
@@ -84,10 +85,12 @@ def sections(runs) -> list[str]:
     if not control:
         return md
     task = next((p["task"] for p in control.values() if p.get("task")), None)
+    method = next((p["method"] for p in control.values() if p.get("method")), None)
     md += ["\n## Gradual stacking vs plain (last checkpoint; arm - plain, mean [95% t-interval] over seeds)\n",
            f"Same loss: pairs with both exact KL <= {claims.MAX_KL} nats and |loss gap| < max({claims.MIN_LOSS_GAP}, "
            "2 x subset std) (flatlm.claims).\n",
-           f"| arm | seeds | same loss | exact loss (nats) | probe {task} (pp) | fine-tune {task} (pp) | trace |",
+           f"| arm | seeds | same loss | exact loss (nats) | probe {task} (pp) | fine-tune {task} (pp) | trace "
+           f"({method or '-'}) |",
            "|---|---|---|---|---|---|---|"]
     for name, treated in groups.items():
         if name == CONTROL:

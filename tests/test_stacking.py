@@ -30,13 +30,16 @@ def _cfg(ln_mode="pre", layers=2) -> BertConfig:
 
 def _distinct(tree, seed):
     """Every leaf replaced by distinct random values (LayerNorms away from (1, 0), like a trained model's)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+    rng = np.random.default_rng(seed)  # numpy: jax.random would compile once per leaf shape (seconds)
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.3 * rng.standard_normal(x.shape), x.dtype), tree)
 
 
 def _params(cfg, seed=0):
-    return _distinct(nn.unbox(Bert(cfg).init(jax.random.key(seed), jnp.zeros((2, 6), jnp.int32))["params"]), seed + 1)
+    """Random parameters of the model's layout (abstract init: no model code runs), LayerNorm scales around 1."""
+    shapes = nn.unbox(jax.eval_shape(Bert(cfg).init, jax.random.key(seed), jnp.zeros((2, 6), jnp.int32))["params"])
+    ones = jax.tree_util.tree_map_with_path(
+        lambda path, x: np.full(x.shape, float(str(path[-1].key) == "scale"), x.dtype), shapes)
+    return _distinct(ones, seed + 1)
 
 
 def _same(a, b) -> bool:
@@ -255,4 +258,5 @@ def test_report_section_compute_and_paired_effects(tmp_path):
     half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2)
     assert row[4] == f"{100 * d.mean():+.3g} [{100 * (d.mean() - half):+.3g}, {100 * (d.mean() + half):+.3g}]"
     assert row[5] == "-" and row[6].startswith(f"{10 * d.mean():+.3g} [")
+    assert "| trace (fisher) |" in "\n".join(md)
     assert sections(runs[:2]) == []  # no stacked run: no section
