@@ -258,14 +258,16 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, data_iterato
 
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iterator=None) -> tuple[dict | None, int]:
     """(state, step) of the newest checkpoint that verifies, with the iterator restored in place; (None, 0) if
-    there is none. Each damaged newer step is moved aside and reported in one line on stderr."""
+    there is none. Each damaged newer step is moved aside and reported in one line on stderr. `abstract_state` may
+    be a function of the step (runs whose state changes shape, `train.stacking`)."""
     workdir = paths.path(mngr.directory).parent
     damaged: list[DamagedCheckpoint] = []
     state, start, done = None, 0, False
     try:
         for step in sorted(mngr.all_steps(), reverse=True):
             try:
-                state = _verified(workdir, step, lambda s=step: restore(mngr, s, abstract_state, data_iterator))
+                abstract = abstract_state(step) if callable(abstract_state) else abstract_state
+                state = _verified(workdir, step, lambda s=step, a=abstract: restore(mngr, s, a, data_iterator))
             except DamagedCheckpoint as e:
                 damaged.append(e)
                 mngr.reload()  # forget the moved step: it may be written again, and must not be garbage-collected

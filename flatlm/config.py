@@ -85,6 +85,10 @@ def base_config() -> ml_collections.ConfigDict:
             # every field): method "none" | "sam" | "label_noise" | "trace_penalty".
             flat=ml_collections.ConfigDict(dict(method="none", rho=0.05, ascent_groups=1, noise_p=0.1,
                                                 noise_source="model", gamma=0.01, probes=1, penalty="fisher")),
+            # Gradual stacking (flatlm.train.stacking documents every field): stages ((num_layers, steps), ...)
+            # summing to train.steps, the last at model.num_layers; () -> off. rule "midas" | "top" |
+            # "function_preserving"; opt_state "carry" (moments grown by the same rule) | "reset".
+            stacking=ml_collections.ConfigDict(dict(stages=(), rule="midas", opt_state="carry")),
         )
     )
     c.eval = ml_collections.ConfigDict(

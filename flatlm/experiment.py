@@ -28,6 +28,7 @@ from flatlm import run as run_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run
 from flatlm.flatness.runner import flatness_run
+from flatlm.models import stacking
 from flatlm.train.loop import train_and_evaluate, validate
 
 # Tr(H) as the paper measures it (B.1, B.2): 10,000 contexts x_-t, 50 draws of x_t each, the std over 5 resamples
@@ -183,9 +184,15 @@ def _run_experiment(exp, root, selected: list[dict], progress: bool) -> dict:
     return status
 
 
+def _final_shape_steps(run_dir: Path) -> list[int]:
+    """Checkpoint steps of the run's final depth (all of them, except earlier `train.stacking` stages')."""
+    first = stacking.final_shape_from(stacking.stages_of(config_lib.load_workdir_config(str(run_dir))))
+    return [s for s in ckpt.all_steps(str(run_dir)) if s >= first]
+
+
 def evaluate_pending(run_dir: Path, progress: bool) -> None:
     """Evaluate the checkpoints of a run that have no probe result yet (and the lookup table once)."""
-    steps = _pending_steps(run_dir, "probe", ckpt.all_steps(str(run_dir)))
+    steps = _pending_steps(run_dir, "probe", _final_shape_steps(run_dir))
     have_lookup = any(e["kind"] == "lookup_table" for e in results_lib.load(str(run_dir)))
     if steps:
         evaluate_run(str(run_dir), steps, lookup=None if not have_lookup else False, progress=progress)
@@ -193,7 +200,7 @@ def evaluate_pending(run_dir: Path, progress: bool) -> None:
 
 def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
     """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to) of checkpoints that lack it."""
-    steps = _pending_steps(run_dir, "flatness", ckpt.all_steps(str(run_dir)), method=fcfg.method)
+    steps = _pending_steps(run_dir, "flatness", _final_shape_steps(run_dir), method=fcfg.method)
     if steps:
         flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,

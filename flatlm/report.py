@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.stats import spearmanr
 
-from flatlm import paths
+from flatlm import paths, report_stacking
 from flatlm import report_plots as plots
 from flatlm import results as results_lib
 from flatlm.config import load_workdir_config
@@ -267,6 +267,9 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
+    stacked = report_stacking.sections(runs)  # runs with train.stacking: compute used, arms vs plain
+    if stacked:
+        md += ["", *stacked]
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 
 

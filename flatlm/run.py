@@ -37,6 +37,7 @@ from flatlm.data import pipeline
 from flatlm.data import tasks as tasks_lib
 from flatlm.data.masking import mask_batch
 from flatlm.errors import UserError
+from flatlm.models import stacking
 
 # the paper's tasks (A.1): HMM task-6 and task-10 (1-based: 0-based positions 5 and 9), PCFG A, B, C
 DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C"), "opt": ("qnli", "sst2")}
@@ -243,12 +244,19 @@ class Run:
 
     @property
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint, ascending."""
-        return ckpt.all_steps(self.workdir)
+        """Steps with a committed checkpoint of the model's (final) shape, ascending: with `train.stacking` the
+        checkpoints of earlier, shallower stages are left out."""
+        first = stacking.final_shape_from(stacking.stages_of(self.config))
+        return [s for s in ckpt.all_steps(self.workdir) if s >= first]
 
     def load_params(self, step: int):
         """The parameters of checkpoint `step`, placed with the run's shardings. Checked first: a damaged step is
-        moved to `<workdir>/checkpoints_damaged/` and `flatlm.checkpoint.DamagedCheckpoint` raised."""
+        moved to `<workdir>/checkpoints_damaged/` and `flatlm.checkpoint.DamagedCheckpoint` raised. UserError for a
+        checkpoint of an earlier `train.stacking` stage (a shallower model)."""
+        stages = stacking.stages_of(self.config)
+        if step < stacking.final_shape_from(stages):
+            raise UserError(f"checkpoint {step} is from a train.stacking stage of {stacking.layers_at(stages, step)} "
+                            f"layers; evaluators read the final depth: steps >= {stacking.final_shape_from(stages)}")
         return ckpt.restore_params(self.workdir, step, self.abstract_params())
 
     def checkpoint_params(self, steps):

@@ -11,7 +11,7 @@ from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
 NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
-         "table2", "flatness_seeking")
+         "table2", "flatness_seeking", "stacking")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -42,7 +42,7 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
     language = {c.language.name for c in configs}
     assert language == ({"pcfg"} if name in ("table1", "table2") else {"hmm"})
     kinds = {c.model.kind for c in configs}
-    assert kinds == ({"bert"} if name in ("table1", "table2", "fig5_grown_sizes") else {"lstm"})
+    assert kinds == ({"bert"} if name in ("table1", "table2", "fig5_grown_sizes", "stacking") else {"lstm"})
     if name in ("fig2_model_sizes", "fig5_grown_sizes"):
         assert len({(c.model.d_model, c.model.d_hidden, c.model.num_layers) for c in configs}) >= 3
     if name == "fig1_after_convergence":
@@ -50,6 +50,23 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
         assert c.checkpoint.after_convergence and c.train.schedule == "constant"
     if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table1_hmm", "table2"):
         assert exp.flatness.enabled and exp.flatness.method == "fisher"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu", "paper"])
+def test_stacking_arms_end_at_the_plain_arms_shape(preset):
+    """configs/experiments/stacking.py: plain and every stacking rule train the same final shape for the same steps,
+    the stacked arms through the same stages, each rule once per seed."""
+    exp = load_experiment(f"{REPO}/configs/experiments/stacking.py:{preset}")
+    configs = [run_config(exp, r) for r in exp.runs]
+    shapes = {(c.model.num_layers, c.model.d_model, c.train.steps) for c in configs}
+    assert len(shapes) == 1
+    (layers, _, steps), = shapes
+    stacked = [c for c in configs if c.train.stacking.stages]
+    stages = {tuple(map(tuple, c.train.stacking.stages)) for c in stacked}
+    assert len(stages) == 1 and len(configs) - len(stacked) == len({c.seed for c in configs})
+    (st,) = stages
+    assert st[-1][0] == layers and sum(n for _, n in st) == steps and len(st) >= 3
+    assert sorted(c.train.stacking.rule for c in stacked if c.seed == 0) == ["function_preserving", "midas", "top"]
 
 
 def test_cpu_run_presets_are_the_measured_scales():

@@ -7,6 +7,7 @@ from flatlm import paths
 from flatlm.cli.common import add_output_flags, parse_steps
 from flatlm.config import load_workdir_config
 from flatlm.evaluate.runner import evaluate_run, table_rows
+from flatlm.models import stacking
 from flatlm.table import print_json, print_table
 
 
@@ -25,8 +26,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Evaluate, append to results.json, print one row per checkpoint."""
-    load_workdir_config(args.workdir)  # one line if DIR is not a run
-    steps = parse_steps(args.steps, ckpt.all_steps(args.workdir))
+    config = load_workdir_config(args.workdir)  # one line if DIR is not a run
+    first = stacking.final_shape_from(stacking.stages_of(config))  # train.stacking: final-depth checkpoints only
+    steps = parse_steps(args.steps, [s for s in ckpt.all_steps(args.workdir) if s >= first])
     entries = evaluate_run(args.workdir, steps, tuple(args.task), probe=not args.no_probe,
                            finetune_=False if args.no_finetune else None, lookup=False if args.no_lookup else None,
                            progress=not args.quiet)

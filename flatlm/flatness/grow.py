@@ -17,7 +17,7 @@ Width x k (k = d_model' / d_model, an integer). The residual stream is replicate
   and bias are divided by k (the tied matrix cannot be scaled on one side only).
 Exact (up to floating-point summation order) for pre-LN and post-LN.
 
-Depth +n layers.
+Depth +n layers (the blocks and the LayerNorm move are `flatlm.models.stacking`'s, shared with `train.stacking`).
 - Pre-LN: new blocks with zero output projections (attn.out, out_bias, mlp.wo, bo) add 0 to the residual stream:
   exact. Their other weights are zero (default) or freshly initialised (`key`).
 - Post-LN: the paper's recipe (new blocks with zero branches, every small-model tensor copied) is NOT exact, and
@@ -57,6 +57,7 @@ from flatlm import paths
 from flatlm import run as run_lib
 from flatlm.config import save_workdir_config
 from flatlm.errors import UserError
+from flatlm.models import stacking
 from flatlm.models.bert import SHAPES, TABLE4, BertConfig
 from flatlm.models.losses import mlm_loss
 
@@ -135,28 +136,6 @@ def _widen_layer(p: Mapping[str, Any], k: int, m: int, r: int, kf: int) -> dict:
     }
 
 
-def _identity_ln(d: int, dtype) -> dict:
-    return {"norm": {"scale": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)}}
-
-
-def _new_layer(cfg: BertConfig, key: jax.Array | None, dtype, init_scale: float) -> dict:
-    """A block whose residual branches output exactly 0 (zero attn.out, mlp.wo and their biases)."""
-    D, H, Dh, F = cfg.d_model, cfg.heads, cfg.head_dim, cfg.ff
-    z = lambda *s: jnp.zeros(s, dtype)
-    if key is None:
-        qkv, wi = z(D, 3, H, Dh), z(D, F)
-    else:
-        kq, kw = jax.random.split(key)
-        qkv = init_scale * jax.random.normal(kq, (D, 3, H, Dh), dtype)
-        wi = init_scale * jax.random.normal(kw, (D, F), dtype)
-    return {
-        "attn_ln": _identity_ln(D, dtype),
-        "attn": {"qkv": qkv, "qkv_bias": z(3, H, Dh), "out": z(H, Dh, D), "out_bias": z(D)},
-        "mlp_ln": _identity_ln(D, dtype),
-        "mlp": {"wi": wi, "bi": z(F), "wo": z(F, D), "bo": z(D)},
-    }
-
-
 def embed(
     small_params: Mapping[str, Any],
     small_config: BertConfig,
@@ -191,16 +170,10 @@ def embed(
         out[f"layer_{i}"] = _widen_layer(p[f"layer_{i}"], k, m, r, kf)
     for i in range(L, big_config.num_layers):
         lk = None if key is None else jax.random.fold_in(key, i)
-        out[f"layer_{i}"] = _new_layer(big_config, lk, dt, init_scale)
+        out[f"layer_{i}"] = stacking.zero_residual_layer(big_config, lk, dt, init_scale)
     if small_config.ln_mode == "post" and big_config.num_layers > L:
         # Move the preceding LayerNorm's affine to the last new block; all inserted LayerNorms are then (1, 0).
-        prev = out[f"layer_{L - 1}"]["mlp_ln"] if L else out["embed_ln"]
-        out[f"layer_{big_config.num_layers - 1}"]["mlp_ln"] = {"norm": dict(prev["norm"])}
-        identity = _identity_ln(big_config.d_model, dt)
-        if L:
-            out[f"layer_{L - 1}"]["mlp_ln"] = identity
-        else:
-            out["embed_ln"] = identity
+        out = stacking.move_post_ln_affine(out, L, big_config.num_layers, stacking.identity_ln(big_config.d_model, dt))
     return jax.tree.map(lambda x: jnp.asarray(x, dt), out)
 
 

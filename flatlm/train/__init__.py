@@ -1,8 +1,9 @@
-"""Training: optimizers and schedules, the jitted step, the loop, and the adversarial objective (A.4)."""
+"""Training: optimizers and schedules, the jitted step, the loop, the adversarial objective (A.4) and gradual
+stacking (`train.stacking`)."""
 
 from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
-from flatlm.train import adversarial, flat_objectives
+from flatlm.train import adversarial, flat_objectives, stacking
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("linear", "constant", "cosine")
@@ -32,3 +33,4 @@ def validate_config(config) -> None:
                         "set one of them off")
     if adv.active and adv.start_step >= train.steps:
         raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")
+    stacking.validate(config)

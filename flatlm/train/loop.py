@@ -4,7 +4,8 @@ The step is jitted once with explicit in/out shardings and a donated state. The 
 before pulling step t-1's metrics to the host, so logging never stalls the device. Every `eval_every`
 steps the exact pre-training loss (entropy + KL against the true conditionals) is measured on the
 validation split. Checkpoints (state + data iterator position) are written every `checkpoint.every`
-steps, at the end and on SIGTERM; a run restarts from its latest checkpoint by itself.
+steps, at the end and on SIGTERM; a run restarts from its latest checkpoint by itself. With `train.stacking` the
+model grows between stages (`flatlm.train.stacking`); each checkpoint has its step's depth.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
 from flatlm.run import Run, build_run, check_workdir, initialize_distributed
 from flatlm.train import adversarial as adv
-from flatlm.train import flat_objectives, optim, rank
+from flatlm.train import flat_objectives, optim, rank, stacking
 from flatlm.train.step import mlm_objective, train_step
 
 log = logging.getLogger("flatlm")
@@ -249,7 +250,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
               f"mesh {dict(run.mesh.shape)}", file=sys.stderr)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir, check_extension=check_extension)
-    setup = train_setup(run)
+    stages = stacking.Stages(run, train_setup)  # one depth, or one per train.stacking stage
     c = config
     pinned = ckpt.PinnedSteps(c.checkpoint.steps)
     convergence = ConvergenceWatch(c.checkpoint, c.train.steps, workdir, pinned)
@@ -257,16 +258,19 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources.get("train"),
                                  language=run.language, process_index=jax.process_index(),
                                  process_count=jax.process_count())
-    state, start = ckpt.restore_latest(mngr, setup.abstract_state(), it)  # damaged steps moved aside
+    # damaged steps moved aside; each step restored at its own depth
+    state, start = ckpt.restore_latest(mngr, lambda s: stages.at(s)[1].abstract_state(), it)
+    run_s, setup = stages.at(start)  # the Run at the depth being trained (`run` itself without stacking)
     if state is None:
-        state = init_state(run, setup)
+        state = init_state(run_s, setup)
     else:
         log.info("resumed from step %d", start)
     adv_objective, down_batches = adversarial_setup(run, start)
     flat_objective = flat_objectives.make_objective(flat_objectives.FlatConfig(**config.train.get("flat", {})))
-    step_fn = jit_train_step(run, setup, objective or adv_objective or flat_objective or mlm_objective)
+    step_objective = objective or adv_objective or flat_objective or mlm_objective
+    step_fn = jit_train_step(run_s, setup, step_objective)
     warm_until = c.train.adversarial.start_step if down_batches is not None else 0
-    plain_step_fn = jit_train_step(run, setup, mlm_objective) if start < warm_until else None
+    plain_step_fn = jit_train_step(run_s, setup, mlm_objective) if start < warm_until else None
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=start)
     # Test hooks: at this step send ourselves SIGKILL (die like a crashed VM) or SIGTERM (a preempted one), only
     # in workdirs whose path contains FLATLM_DEBUG_SIGKILL_WORKDIR, if that is set.
@@ -296,7 +300,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     def rank_metrics(params) -> dict:
         """train.rank_every: rank of W - W0, W0 recomputed from the seed once (initialisation is deterministic)."""
         if not w0_cache:
-            w0_cache["params"] = multihost_utils.process_allgather(init_state(run, setup)["params"], tiled=True)
+            w0_cache["params"] = multihost_utils.process_allgather(init_state(run_s, setup)["params"], tiled=True)
         return rank.update_ranks(multihost_utils.process_allgather(params, tiled=True), w0_cache["params"])
 
     postfix: dict[str, str] = {}  # the bar's named fields: the training objective and the last exact eval
@@ -319,6 +323,9 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
 
     with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
+            if stages.grows_before(step):  # train.stacking: the next stage's depth
+                state, (run_s, setup) = stages.grow(state, step), stages.at(step)
+                step_fn = jit_train_step(run_s, setup, step_objective)
             if step <= warm_until:  # warm start: plain MLM before the adversarial objective
                 state, metrics = plain_step_fn(state, sharding.global_batch(log_batch(step, next(it)), run.mesh))
             else:
@@ -337,7 +344,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
                 pending = None
-                last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run, state["params"]).items()
+                last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run_s, state["params"]).items()
                              if not isinstance(v, str)}  # scalars only; "average" is named by the config
                 writer.write(step, last_eval)
                 convergence.update(step, last_eval["eval/kl"])  # in every process: all must pin the same steps
