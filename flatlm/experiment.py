@@ -51,7 +51,7 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     c.evaluate = evaluate
     defaults = dict(enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50,
                     grow_to=(),  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
-                    groups="")  # per-group traces: "" (top-level keys), "leaf", "growth" (see flatness.estimates)
+                    groups="")  # per-group traces: "" (top-level keys), "leaf", "growth", "block" (flatness.estimates)
     c.flatness = ml_collections.ConfigDict({**defaults, **(flatness or {})})
     return c
 

@@ -222,6 +222,18 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
                   f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
 
+    # 4a'. per-block traces of each estimator's last checkpoint (`flatlm flatness --groups block`)
+    for i, key in enumerate(ests):
+        rows = [(r.name, e["detail"]["per_group"], e["detail"].get("per_group_stderr") or {})
+                for r in runs for e in [r.flatness(key).get(max(r.flatness(key), default=None))]
+                if e and len((e.get("detail") or {}).get("per_group") or {}) > 1][:6]
+        if rows:
+            name = _plot_name("trace_per_block", i)
+            plots.save(plots.per_group_bars(rows, estimator_label(key)), out_dir / f"{name}.png")
+            sums = "; ".join(f"{n}: {sum(p.values()):.4g}" for n, p, _ in rows)
+            md.append(f"## {estimator_label(key)} per block\n\nSums over blocks (= the total): {sums}.\n\n"
+                      f"![blocks]({name}.png) ([pdf]({name}.pdf))\n")
+
     # 4b. what training adds: rank of W - W0 per weight matrix (train.rank_every), one panel per run
     ranked = [r for r in runs if r.extra.get("ranks")]
     if ranked:

@@ -146,3 +146,21 @@ def tick_labels_overlap(fig: Figure, axis: str = "x") -> bool:
                 if boxes[i].overlaps(boxes[j]):
                     return True
     return False
+
+
+def per_group_bars(rows: list[tuple[str, dict, dict]], ylabel: str) -> Figure:
+    """Per-block (per-group) traces as grouped bars ± their standard errors: one bar per run in `rows` (run name,
+    {group: trace}, {group: stderr}) at every group, groups in first-seen order (at most 6 runs)."""
+    groups = list(dict.fromkeys(g for _, per, _ in rows for g in per))
+    fig, ax = subplots(figsize=(max(5.5, 0.6 * len(groups) * max(1, len(rows)) + 2), 4))
+    width = 0.8 / max(1, len(rows))
+    x = np.arange(len(groups))
+    for i, (name, per, se) in enumerate(rows):
+        vals = [per.get(g, np.nan) for g in groups]
+        errs = [se.get(g) or 0.0 for g in groups]
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=name)
+    ax.set_xticks(x, groups, rotation=45, ha="right", fontsize=8)
+    ax.axhline(0.0, color="k", lw=0.5)
+    ax.set(ylabel=ylabel, title="per-block traces (last checkpoint; ± standard error)")
+    ax.legend(fontsize=7)
+    return fig

@@ -73,16 +73,20 @@ def _main(argv, run, monkeypatch, capsys):
 def test_flatness_json_and_table(run, monkeypatch, capsys, tmp_path):
     w = str(tmp_path)  # the verb appends to the workdir's results.json
     out = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
-                 "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--json"], run, monkeypatch, capsys)
+                 "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--groups", "block", "--json"],
+                run, monkeypatch, capsys)
     res = json.loads(out)
     assert res["method"] == "fisher" and [r["step"] for r in res["results"]] == [100, 200]
     assert res["results"][0]["mean"] > 0 and res["results"][0]["num_batches"] == 2
+    per = res["results"][0]["per_group"]  # blocks: embeddings, the layer's attention and MLP, head
+    assert list(per) == ["head", "layer_0/attn", "layer_0/mlp", "embed"]
+    assert sum(per.values()) == pytest.approx(res["results"][0]["mean"], rel=1e-6)
     table = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
-                   "--num-batches", "2", "--batch-size", "4"], run, monkeypatch, capsys)
+                   "--num-batches", "2", "--batch-size", "4", "--groups", "block"], run, monkeypatch, capsys)
     assert table.splitlines()[0].split()[:3] == ["step", "method", "mean"] and "200" in table
     gap = json.loads(_main(["flatness", "--workdir", w, "--gap", "--num-probes", "4", "--chunk-size", "4",
                             "--num-draws", "4", "--fisher-form", "summed", "--num-batches", "2", "--batch-size", "4",
-                            "--json"], run, monkeypatch, capsys))  # gap_report through the CLI
+                            "--groups", "block", "--json"], run, monkeypatch, capsys))  # gap_report through the CLI
     rep = gap["results"][0]
     assert gap["method"] == "gap" and rep["step"] == 200 and rep["loss"] > 0
     assert {"hessian", "fisher", "empirical_fisher", "hessian_minus_fisher_z", "identity_within_3se"} <= set(rep)

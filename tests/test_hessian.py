@@ -46,7 +46,7 @@ def bert_case():
 def bert_hutchinson(bert_case):
     _, params, loss, _ = bert_case
     with float64_everywhere():
-        return hs.hutchinson_trace(loss, params, jax.random.key(0), 2000, chunk_size=250)
+        return hs.hutchinson_trace(loss, params, jax.random.key(0), 2000, chunk_size=250, groups="block")
 
 
 def _toy_params():
@@ -111,12 +111,15 @@ def test_hutchinson_matches_exact_trace_on_bert(bert_case, bert_hutchinson):
 
 
 def test_per_group_traces(bert_case, bert_hutchinson):
+    """Top-level groups by name; the estimates' groups (here "block") each within 4 standard errors of the trace
+    of their diagonal block of jax.hessian."""
     _, params, _, H = bert_case
-    with jax.enable_x64(True):
-        diag = jax.tree.map(np.asarray, ravel_pytree(params)[1](np.diag(H)))
-    assert set(bert_hutchinson.per_group) == set(params)
-    for name, value in diag.items():  # 8 groups: allow 4 standard errors each
-        exact = float(sum(np.sum(x) for x in jax.tree.leaves(value)))
+    assert hs.param_groups(params)[0] == list(params) and hs.param_groups(params, "top")[0] == list(params)
+    names, ids = hs.param_groups(params, "block")
+    block_of = np.repeat(ids, [np.size(x) for x in jax.tree.leaves(params)])
+    assert list(bert_hutchinson.per_group) == names
+    for i, name in enumerate(names):  # 4 groups: allow 4 standard errors each
+        exact = float(np.diag(H)[block_of == i].sum())
         assert abs(bert_hutchinson.per_group[name] - exact) < 4 * bert_hutchinson.per_group_stderr[name] + 1e-9
 
 
@@ -262,3 +265,24 @@ def test_one_device_and_8_device_mesh_agree():
             assert b["per_group"][g] == pytest.approx(a["per_group"][g], rel=1e-7, abs=1e-9)
     assert mesh["est"]["trace_sq"] == pytest.approx(one["est"]["trace_sq"], rel=1e-9)
     assert sum(one["est"]["per_group"].values()) == pytest.approx(one["est"]["mean"], rel=1e-10)
+
+
+def test_block_groups_cover_bert_and_sum_to_the_total(bert_case, bert_hutchinson):
+    """`groups="block"`: embeddings, each layer's attention and MLP, head. Exact per-block traces are the traces
+    of jax.hessian's diagonal blocks and sum to Tr(H); Hutchinson's per-block estimates sum to its total (the same
+    samples split), which is within its errors of Tr(H) (each block against its exact value: test_per_group_traces).
+    """
+    _, params, loss, H = bert_case
+    two = jax.eval_shape(lambda: tiny_bert(num_layers=2, dtype="float32")[1])
+    assert hs.param_groups(two, "block")[0] == ["head", "layer_0/attn", "layer_0/mlp", "layer_1/attn",
+                                                "layer_1/mlp", "embed"]
+    names, ids = hs.param_groups(params, "block")
+    block_of = np.repeat(ids, [np.size(x) for x in jax.tree.leaves(params)])
+    want = {n: float(np.diag(H)[block_of == i].sum()) for i, n in enumerate(names)}
+    with float64_everywhere():
+        exact = hs.exact_trace(loss, params, groups="block")
+    assert exact.per_group == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert sum(exact.per_group.values()) == pytest.approx(np.trace(H), rel=1e-12)
+    est = bert_hutchinson
+    assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-10)
+    assert abs(sum(est.per_group.values()) - sum(want.values())) < 3 * est.stderr

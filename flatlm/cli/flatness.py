@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-batches", type=positive_int, default=8)
     p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--chunk-size", type=positive_int, default=1, help="probes vmapped at once")
-    p.add_argument("--groups", choices=("top", "leaf", "growth"), default="top",
-                   help="per-group traces: top-level keys, every tensor, or growth-invariant vs rescaled tensors")
+    p.add_argument("--groups", choices=("top", "leaf", "growth", "block"), default="top",
+                   help="per-group traces: top-level keys, every tensor, growth-invariant vs rescaled tensors, or "
+                        "blocks (embeddings, each layer's attention and MLP, head)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
