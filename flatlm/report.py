@@ -234,6 +234,17 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
             md.append(f"## {estimator_label(key)} per block\n\nSums over blocks (= the total): {sums}.\n\n"
                       f"![blocks]({name}.png) ([pdf]({name}.pdf))\n")
 
+    # 4a''. the Hessian's spectrum at each run's last measured checkpoint (`flatlm flatness --spectrum-k/--density-*`)
+    spec = [(r.name, r.by_kind("spectrum")[max(r.by_kind("spectrum"))]) for r in runs if r.by_kind("spectrum")][:6]
+    if spec:
+        plots.save(plots.spectrum_panels(spec), out_dir / "spectrum.png")
+        lines = [f"- {n} (step {e['step']}): top eigenvalues {', '.join(f'{v:.4g}' for v in e['top']['values'][:5])}"
+                 if "top" in e else f"- {n} (step {e['step']})" for n, e in spec]
+        lines = [ln + "".join(f"; Tr(H^{m['p']}) = {m['value']:.4g} ± {m['stderr'] or 0:.2g}"
+                              for m in e.get("density", {}).get("moments", [])[:2]) for ln, (_, e) in zip(lines, spec)]
+        md.append("## Hessian spectrum (Lanczos top eigenvalues ± Ritz bounds; SLQ density and moments)\n\n"
+                  + "\n".join(lines) + "\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf))\n")
+
     # 4b. what training adds: rank of W - W0 per weight matrix (train.rank_every), one panel per run
     ranked = [r for r in runs if r.extra.get("ranks")]
     if ranked:

@@ -17,6 +17,7 @@ from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert
 from jax.flatten_util import ravel_pytree
 
 from flatlm.errors import UserError
+from flatlm.flatness import compare
 from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import TraceEstimate
 from flatlm.models.losses import mlm_loss
@@ -286,3 +287,24 @@ def test_block_groups_cover_bert_and_sum_to_the_total(bert_case, bert_hutchinson
     est = bert_hutchinson
     assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-10)
     assert abs(sum(est.per_group.values()) - sum(want.values())) < 3 * est.stderr
+
+
+def test_spectrum_report_against_eigh(bert_case):
+    """`compare.spectrum_report` (what `flatlm flatness --spectrum-k/--density-probes` stores) on the MLM loss:
+    every top Ritz value within its bound of an eigenvalue of jax.hessian's H, the largest converged to H's
+    largest, and the SLQ moments Tr(H), Tr(H^2) within 4 standard errors of the exact ones."""
+    model, params, _, H = bert_case
+    eig = np.linalg.eigvalsh(H)
+    with float64_everywhere():
+        rep = compare.spectrum_report(model.apply, params, [mlm_batch(0)], jax.random.key(2), k=3,
+                                      density_probes=8, density_iters=8)
+    top = rep["top"]
+    assert rep["dim"] == H.shape[0] and top["num_matvecs"] == 8 and len(top["values"]) == 3
+    assert list(top["values"]) == sorted(top["values"], reverse=True)
+    for v, r in zip(top["values"], top["residual"]):
+        assert np.min(np.abs(eig - v)) <= r + 1e-9
+    assert top["values"][0] == pytest.approx(eig[-1], rel=1e-6)
+    moments = {m["p"]: m for m in rep["density"]["moments"]}
+    assert sorted(moments) == [1, 2, 3, 4] and rep["density"]["num_matvecs"] == 64
+    for p, exact in ((1, np.trace(H)), (2, np.sum(H * H))):
+        assert abs(moments[p]["value"] - exact) < 4 * moments[p]["stderr"], (p, moments[p], exact)

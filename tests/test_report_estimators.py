@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from flatlm import report, results
 from flatlm import report_plots as plots
@@ -69,6 +70,8 @@ def test_per_block_panel_from_results_files(tmp_path):
                   "per_group_stderr": {k: 0.1 * v for k, v in blocks.items()}}
         results.append(str(wd), [{"kind": "flatness", "step": s, "method": "hutchinson", "trace": detail["mean"] + s,
                                   "trace_stderr": 0.1, "detail": detail} for s in (1, 2)])
+        if name == "a":  # a spectrum entry as `flatlm flatness --spectrum-k 2 --density-probes 2` writes it
+            results.append(str(wd), [{"kind": "spectrum", "step": 2, "settings": {}, "dim": 10, **SPECTRUM}])
         dirs.append(str(wd))
     runs = report.find_runs(dirs)
     rows = [(r.name, e["detail"]["per_group"], e["detail"]["per_group_stderr"])
@@ -86,3 +89,25 @@ def test_per_block_panel_from_results_files(tmp_path):
     md = report.make_report(dirs, str(tmp_path / "out")).read_text()
     assert (tmp_path / "out" / "trace_per_block.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Tr(H) Hutchinson per block" in md and "a: 15; b: 10" in md
+    assert (tmp_path / "out" / "spectrum.png").read_bytes()[:4] == b"\x89PNG"
+    assert "- a (step 2): top eigenvalues 9, 4; Tr(H^1) = 12 ± 3; Tr(H^2) = 70 ± 20" in md
+
+
+SPECTRUM = {"top": {"values": [9.0, 4.0], "residual": [0.01, 0.5], "num_matvecs": 7},
+            "density": {"nodes": [[-1.0, 2.0, 9.0], [0.0, 1.0, 4.0]], "weights": [[0.25, 0.5, 0.25], [0.6, 0.2, 0.2]],
+                        "dim": 10, "num_matvecs": 6, "moments": [{"p": 1, "value": 12.0, "stderr": 3.0},
+                                                                 {"p": 2, "value": 70.0, "stderr": 20.0}]}}
+
+
+def test_spectrum_panel():
+    """Density: the Gaussian-smoothed SLQ nodes (log axis), integrating to 1; top eigenvalues ± Ritz bounds."""
+    fig = plots.spectrum_panels([("a", {"step": 2, **SPECTRUM})])
+    a, b = fig.axes
+    (line,) = a.get_lines()
+    x, y = line.get_data()
+    assert a.get_yscale() == "log" and np.trapezoid(y, x) == pytest.approx(1.0, abs=1e-3)
+    assert x[np.argmax(y)] == pytest.approx(0.0, abs=0.02)  # the heaviest node: weight 0.6 / 2 probes at 0
+    (bars,) = b.containers
+    np.testing.assert_allclose(np.asarray(bars.lines[0].get_ydata(), float), [9.0, 4.0])
+    half = [seg[1, 1] - seg[0, 1] for seg in bars.lines[2][0].get_segments()]
+    np.testing.assert_allclose(half, [0.02, 1.0])

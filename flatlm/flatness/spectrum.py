@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from flatlm.flatness.hessian import hvp_fn, probe_like
 
@@ -31,10 +32,6 @@ MatVec = Callable[[Params], Params]
 
 def _dot(a: Params, b: Params) -> float:
     return float(sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
-
-
-def _axpy(alpha: float, x: Params, y: Params) -> Params:
-    return jax.tree.map(lambda xi, yi: yi + alpha * xi, x, y)
 
 
 def _scale(alpha: float, x: Params) -> Params:
@@ -48,21 +45,39 @@ def num_params(params: Params) -> int:
 
 def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.ndarray]:
     """(alpha[m], beta[m]) of T_m from `num_iters` Lanczos steps started at `v0` (normalised here); beta[-1] is
-    the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters)."""
-    v = _scale(1.0 / np.sqrt(_dot(v0, v0)), v0)
-    basis, alphas, betas = [v], [], []
-    for _ in range(num_iters):
-        w = matvec(basis[-1])
-        alphas.append(_dot(w, basis[-1]))
-        for _ in range(2):  # full reorthogonalisation, twice ("twice is enough")
-            for q in basis:
-                w = _axpy(-_dot(w, q), q, w)
-        beta = float(np.sqrt(max(_dot(w, w), 0.0)))
-        betas.append(beta)
-        if beta <= 1e-10 * max(1.0, abs(alphas[-1])):
+    the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters).
+
+    Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so each
+    full reorthogonalisation is two matrix products of one shape (compiled once) instead of a dot per basis vector
+    and parameter tensor."""
+    flat0, unravel = ravel_pytree(v0)
+    mv = lambda x: ravel_pytree(matvec(unravel(x)))[0].astype(x.dtype)
+    v = flat0 / jnp.linalg.norm(flat0)
+    B_MN = _put_row(jnp.zeros((num_iters, v.size), v.dtype), v, 0)
+    alphas, betas = [], []
+    for i in range(num_iters):
+        w = mv(v)
+        alphas.append(float(jnp.vdot(w, v)))
+        w, beta = _reorthogonalise(B_MN, w)
+        betas.append(float(beta))
+        if betas[-1] <= 1e-10 * max(1.0, abs(alphas[-1])) or i + 1 == num_iters:
             break
-        basis.append(_scale(1.0 / beta, w))
+        v = w / beta
+        B_MN = _put_row(B_MN, v, i + 1)
     return np.asarray(alphas), np.asarray(betas)
+
+
+@jax.jit
+def _reorthogonalise(B_MN, w_N):
+    """w minus its projection on the rows of B (orthonormal or zero), twice ("twice is enough"), and its norm."""
+    for _ in range(2):
+        w_N = w_N - (B_MN @ w_N) @ B_MN
+    return w_N, jnp.linalg.norm(w_N)
+
+
+@jax.jit
+def _put_row(B_MN, v_N, i):
+    return jax.lax.dynamic_update_index_in_dim(B_MN, v_N, i, 0)
 
 
 def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
