@@ -24,7 +24,9 @@ symmetric `matvec(v) -> A v` over parameter pytrees, a budget `num_matvecs` and 
   XTrace needs A Omega of full column rank: a budget above twice the operator's rank is refused.
 
 Vectors are raveled to [n] and stacked as rows ([m, n]), so memory is m parameter copies: for Hessians of models
-that fit a few dozen copies of their parameters. Products are computed `chunk_size` at a time (vmapped).
+that fit a few dozen copies of their parameters. Products are computed `chunk_size` at a time (vmapped); a Hessian
+product is forward-over-reverse (`hessian.hvp`, the primal recomputed per chunk). The compiled product is cached
+on the `loss_fn` / `matvec` object, so pass the same one for repeated estimates.
 """
 
 from __future__ import annotations
@@ -38,28 +40,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.flatness.estimates import TraceEstimate
-from flatlm.flatness.hessian import hvp_fn
+from flatlm.flatness.estimates import TraceEstimate, hashable
+from flatlm.flatness.hessian import hvp
 
 Params = Any
 MatVec = Callable[[Params], Params]
 
 
-def _matmat(matvec: MatVec, treedef, shapes: tuple, chunk: int) -> Callable[[jax.Array], jax.Array]:
-    """Jitted X[m, n] -> (A x_j)_j [m, n] for a pytree `matvec` on the structure (treedef, shapes)."""
+@functools.lru_cache(maxsize=16)
+def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> Callable:
+    """Jitted (params, X[m, n]) -> (A x_j)_j [m, n] on the structure (treedef, shapes): A the Hessian of `fn` at
+    params (is_loss; forward-over-reverse `hvp`) or the pytree operator `fn(v)`. Cached on `fn`'s identity, so
+    repeated estimates with one loss or operator compile once per stack shape; params are an argument (no
+    constants baked into the program)."""
     sizes = [math.prod(s) for _, s in shapes]
     offsets = np.cumsum([0, *sizes])
 
     def unravel(x_N):
         return treedef.unflatten([x_N[a:b].reshape(s).astype(d) for (d, s), a, b in zip(shapes, offsets, offsets[1:])])
 
-    def one(x_N):
-        return jnp.concatenate([jnp.ravel(y).astype(x_N.dtype) for y in jax.tree.leaves(matvec(unravel(x_N)))])
+    def apply(p, X_MN):
+        def one(x_N):
+            y = hvp(fn, p, unravel(x_N)) if is_loss else fn(unravel(x_N))
+            return jnp.concatenate([jnp.ravel(t).astype(x_N.dtype) for t in jax.tree.leaves(y)])
 
-    return jax.jit(lambda X_MN: jax.lax.map(one, X_MN, batch_size=chunk))
+        return jax.lax.map(one, X_MN, batch_size=chunk)
 
-
-_cached_matmat = functools.lru_cache(maxsize=8)(_matmat)
+    return jax.jit(apply)
 
 
 def operator(loss_fn: Callable[[Params], jax.Array] | None, params: Params, matvec: MatVec | None = None,
@@ -70,12 +77,10 @@ def operator(loss_fn: Callable[[Params], jax.Array] | None, params: Params, matv
     shapes = tuple((jnp.dtype(x.dtype), tuple(x.shape)) for x in leaves)
     n = int(sum(math.prod(s) for _, s in shapes))
     dtype = jnp.result_type(*(jnp.promote_types(d, jnp.float32) for d, _ in shapes))
-    chunk = max(1, int(chunk_size))
-    if matvec is not None:  # a caller's operator: compiled once per (operator, structure), for repeated estimates
-        return _cached_matmat(matvec, treedef, shapes, chunk), n, dtype
-    if loss_fn is None:
+    if matvec is None and loss_fn is None:
         raise ValueError("give loss_fn or matvec")
-    return _matmat(hvp_fn(loss_fn, params), treedef, shapes, chunk), n, dtype  # holds activations: never cached
+    mm = _matmat(hashable(matvec or loss_fn), matvec is None, treedef, shapes, max(1, int(chunk_size)))
+    return functools.partial(mm, params), n, dtype
 
 
 def _signs(key: jax.Array, m: int, n: int, dtype) -> jax.Array:
