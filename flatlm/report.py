@@ -65,6 +65,7 @@ ESTIMATOR_LABELS = {
     "hutchinson": "Tr(H) Hutchinson",
     "fisher": "Tr(F) Fisher, sampled labels",
     "hutchpp": "Tr(F) Fisher, Hutch++",
+    "xtrace": "Tr(H) XTrace",
     "empirical_fisher": "Tr(empirical Fisher), true labels",
 }
 

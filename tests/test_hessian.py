@@ -308,3 +308,13 @@ def test_spectrum_report_against_eigh(bert_case):
     assert sorted(moments) == [1, 2, 3, 4] and rep["density"]["num_matvecs"] == 64
     for p, exact in ((1, np.trace(H)), (2, np.sum(H * H))):
         assert abs(moments[p]["value"] - exact) < 4 * moments[p]["stderr"], (p, moments[p], exact)
+
+
+@pytest.mark.slow  # ~5 s: compiles the stacked HVP of the tiny BERT in float64 (the estimator: test_trace_estimators)
+def test_measure_xtrace_on_bert(bert_case):
+    """`flatlm flatness --method xtrace`: XTrace of the MLM Hessian within 4 of its standard errors of Tr(H)."""
+    model, params, _, H = bert_case
+    with float64_everywhere():
+        est = compare.measure("xtrace", model.apply, params, [mlm_batch(0)], jax.random.key(3), num_probes=200)
+    assert est.method == "xtrace_sphere" and est.num_samples == 200
+    assert abs(est.mean - np.trace(H)) < 4 * est.stderr, (est.mean, np.trace(H), est.stderr)

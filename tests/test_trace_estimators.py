@@ -85,3 +85,26 @@ def test_budgets_and_rank_deficiency_are_refused():
         # Hutch++ needs no full rank: with the range captured, the estimate is exact
         exact = te.hutchpp(None, params, jax.random.key(0), 9, matvec=mv)
     assert exact.mean == pytest.approx(3.0, abs=1e-10)
+
+
+def test_batches_give_the_hessian_of_the_mean_loss():
+    """loss_fn(params, batch) with batches: the operator is the mean over batches of their Hessians (checked
+    against the closed-form Hessian A + diag(-s cos x + 1.2 x^2) of a non-quadratic loss, same key)."""
+    def loss(p, b):
+        x = p["x"]
+        return 0.5 * x @ b["A"] @ x + b["s"] @ jnp.cos(x) + 0.1 * jnp.sum(x**4)
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(4)
+        n = 30
+        sym = [(lambda M: M + M.T)(rng.normal(size=(n, n))) for _ in range(2)]
+        batches = [{"A": jnp.asarray(A), "s": jnp.asarray(rng.normal(size=n))} for A in sym]
+        params = {"x": jnp.asarray(rng.normal(size=n))}
+        x = np.asarray(params["x"])
+        H = np.mean([np.asarray(b["A"]) + np.diag(-np.asarray(b["s"]) * np.cos(x) + 1.2 * x**2) for b in batches], 0)
+        _, mv = _dense(H)
+        got = te.xtrace(loss, params, jax.random.key(1), 16, batches=batches)  # (one operator() for all three)
+        want = te.xtrace(None, params, jax.random.key(1), 16, matvec=mv)
+        assert got.mean == pytest.approx(want.mean, rel=1e-9) and got.stderr == pytest.approx(want.stderr, rel=1e-7)
+        with pytest.raises(ValueError, match="batches go with loss_fn"):
+            te.hutchinson(None, params, jax.random.key(1), 4, matvec=mv, batches=batches)

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, default="fisher")
     p.add_argument("--steps", default="last", help="'last', 'all' or comma-separated checkpoint steps")
     p.add_argument("--gap", action="store_true", help="Hessian vs Fisher vs empirical Fisher report instead")
-    p.add_argument("--num-probes", type=positive_int, default=100, help="Hutchinson probes per batch / Hutch++ matvecs")
+    p.add_argument("--num-probes", type=positive_int, default=100,
+                   help="Hutchinson probes per batch / Hutch++, XTrace matvecs")
     p.add_argument("--num-draws", type=positive_int, default=50, help="labels drawn per context (Fisher)")
     p.add_argument("--fisher-form", choices=("per_sample", "summed"), default="per_sample")
     p.add_argument("--num-batches", type=positive_int, default=8)

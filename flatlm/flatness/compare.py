@@ -17,13 +17,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from flatlm.flatness import spectrum
+from flatlm.flatness import spectrum, trace_estimators
 from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
 from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp
 from flatlm.models.losses import mlm_loss
 
-METHODS = ("fisher", "hutchinson", "hutchpp", "exact", "empirical_fisher")
+METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,7 +66,9 @@ def measure(
     fisher: Tr(Fisher) under the model, the paper's measure (`num_draws` per context, `fisher_form` per_sample or
     summed); hutchinson: Tr(Hessian) on true labels, `num_probes` Rademacher probes per batch (the released code's
     measure, with Rademacher instead of Gaussian probes); hutchpp: Tr(Fisher) by Hutch++ with `num_probes`
-    Fisher-vector products; exact: Tr(Hessian) via jax.hessian (tiny models); empirical_fisher: true labels.
+    Fisher-vector products; xtrace: Tr(Hessian) on true labels by XTrace (`trace_estimators.xtrace`) with a budget
+    of `num_probes` Hessian-vector products (each a pass over the batches; num_probes / 2 parameter copies held);
+    exact: Tr(Hessian) via jax.hessian (tiny models); empirical_fisher: true labels.
     """
     batches = [batches] if isinstance(batches, dict) else list(batches)
     if method == "fisher":
@@ -77,6 +79,9 @@ def measure(
     if method == "hutchpp":
         return hutchpp_trace(_fisher_matvec(apply_fn), params, key, num_probes, batches=batches,
                              chunk_size=chunk_size, groups=groups)
+    if method == "xtrace":
+        return trace_estimators.xtrace(_mlm_loss_fn(apply_fn), params, key, num_probes, batches=batches,
+                                       chunk_size=chunk_size)
     if method == "exact":
         return exact_trace(_mlm_loss_fn(apply_fn), params, batches=batches, groups=groups)
     if method == "empirical_fisher":

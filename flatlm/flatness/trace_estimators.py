@@ -1,8 +1,9 @@
 """Trace estimators at a fixed budget of matrix-vector products, for comparing their errors at equal cost.
 
-Each takes `loss_fn(params) -> scalar` and `params` (the operator is the Hessian, products by `hvp_fn`) or any
-symmetric `matvec(v) -> A v` over parameter pytrees, a budget `num_matvecs` and a PRNG key, and returns a
-`TraceEstimate` (mean, standard error, `num_samples` = the products used):
+Each takes `loss_fn(params) -> scalar` and `params` (the operator is the Hessian), or `loss_fn(params, batch)`
+with `batches` (the Hessian of the mean loss over the batches; the standard error is then the estimator's own,
+these batches held fixed), or any symmetric `matvec(v) -> A v` over parameter pytrees; a budget `num_matvecs`
+and a PRNG key. Each returns a `TraceEstimate` (mean, standard error, `num_samples` = the products used):
 
 - `hutchinson`: m Rademacher probes, samples v.Av; also Tr(A^2) = E ||Av||^2 from the same products
   (`trace_sq`, with its standard error).
@@ -12,8 +13,8 @@ symmetric `matvec(v) -> A v` over parameter pytrees, a budget `num_matvecs` and 
   part given Q. (`flatlm.flatness.hessian.hutchpp_trace` is the streamed, per-group variant that projects on one
   side only; this one is the paper's symmetric form.)
 - `xtrace`: XTrace (Epperly, Tropp & Webber, "XTrace: Making the most of every sample in stochastic trace
-  estimation", SIAM J. Matrix Anal. Appl. 45(1), 2024, Section 2 and Algorithm 2): m/2 test vectors
-  omega_i; for each i, Q_(i) = orth(A Omega_{-i}) from the others and the exchangeable estimate
+  estimation", SIAM J. Matrix Anal. Appl., 2024): m/2 test vectors omega_i; for each i, Q_(i) =
+  orth(A Omega_{-i}) from the other vectors and the exchangeable estimate
   tr_i = Tr(Q_(i)^T A Q_(i)) + omega_i^T (I - Q_(i) Q_(i)^T) A (I - Q_(i) Q_(i)^T) omega_i; XTrace is the mean of
   the tr_i and its standard error their std / sqrt(m/2), as in the paper. All m/2 leave-one-out bases come from one
   QR of Y = A Omega by rank-one downdating: Q_(i) Q_(i)^T = Q (I - s_i s_i^T) Q^T, s_i the normalised i-th row of
@@ -49,8 +50,9 @@ MatVec = Callable[[Params], Params]
 
 @functools.lru_cache(maxsize=16)
 def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> Callable:
-    """Jitted (params, X[m, n]) -> (A x_j)_j [m, n] on the structure (treedef, shapes): A the Hessian of `fn` at
-    params (is_loss; forward-over-reverse `hvp`) or the pytree operator `fn(v)`. Cached on `fn`'s identity, so
+    """Jitted (params, X[m, n], batch) -> (A x_j)_j [m, n] on the structure (treedef, shapes): A the Hessian of
+    `fn(params)` (batch None) or `fn(params, batch)` (is_loss; forward-over-reverse `hvp`) or the pytree operator
+    `fn(v)`. Cached on `fn`'s identity, so
     repeated estimates with one loss or operator compile once per stack shape; params are an argument (no
     constants baked into the program)."""
     sizes = [math.prod(s) for _, s in shapes]
@@ -59,9 +61,11 @@ def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> 
     def unravel(x_N):
         return treedef.unflatten([x_N[a:b].reshape(s).astype(d) for (d, s), a, b in zip(shapes, offsets, offsets[1:])])
 
-    def apply(p, X_MN):
+    def apply(p, X_MN, batch):
+        loss = fn if batch is None else (lambda q: fn(q, batch))
+
         def one(x_N):
-            y = hvp(fn, p, unravel(x_N)) if is_loss else fn(unravel(x_N))
+            y = hvp(loss, p, unravel(x_N)) if is_loss else fn(unravel(x_N))
             return jnp.concatenate([jnp.ravel(t).astype(x_N.dtype) for t in jax.tree.leaves(y)])
 
         return jax.lax.map(one, X_MN, batch_size=chunk)
@@ -69,18 +73,29 @@ def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> 
     return jax.jit(apply)
 
 
-def operator(loss_fn: Callable[[Params], jax.Array] | None, params: Params, matvec: MatVec | None = None,
-             chunk_size: int = 8) -> tuple[Callable[[jax.Array], jax.Array], int, jnp.dtype]:
-    """(matmat over stacked raveled vectors [m, n] -> [m, n], n, dtype) for the Hessian of `loss_fn` at `params`
-    (or for `matvec` when given; then `loss_fn` may be None)."""
+def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: MatVec | None = None,
+             chunk_size: int = 8, batches=None) -> tuple[Callable[[jax.Array], jax.Array], int, jnp.dtype]:
+    """(matmat over stacked raveled vectors [m, n] -> [m, n], n, dtype) for the Hessian at `params` of
+    `loss_fn(params)`, or with `batches` (a batch or a sequence) of the mean over batches of `loss_fn(params,
+    batch)` (one pass over the batches per matmat); or for `matvec` when given (then `loss_fn` may be None)."""
     leaves, treedef = jax.tree.flatten(params)
     shapes = tuple((jnp.dtype(x.dtype), tuple(x.shape)) for x in leaves)
     n = int(sum(math.prod(s) for _, s in shapes))
     dtype = jnp.result_type(*(jnp.promote_types(d, jnp.float32) for d, _ in shapes))
     if matvec is None and loss_fn is None:
         raise ValueError("give loss_fn or matvec")
+    if matvec is not None and batches is not None:
+        raise ValueError("batches go with loss_fn(params, batch), not with a matvec")
     mm = _matmat(hashable(matvec or loss_fn), matvec is None, treedef, shapes, max(1, int(chunk_size)))
-    return functools.partial(mm, params), n, dtype
+    bs = [None] if batches is None else [batches] if isinstance(batches, dict) else list(batches)
+
+    def matmat(X_MN):
+        out = mm(params, X_MN, bs[0])
+        for b in bs[1:]:
+            out = out + mm(params, X_MN, b)
+        return out / len(bs) if len(bs) > 1 else out
+
+    return matmat, n, dtype
 
 
 def _signs(key: jax.Array, m: int, n: int, dtype) -> jax.Array:
@@ -100,9 +115,9 @@ def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int =
 
 
 def hutchinson(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec: MatVec | None = None,
-               chunk_size: int = 8) -> TraceEstimate:
+               chunk_size: int = 8, batches=None) -> TraceEstimate:
     """Hutchinson with `num_matvecs` Rademacher probes: Tr(A) = E v.Av and Tr(A^2) = E ||Av||^2 (`trace_sq`)."""
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size)
+    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
     V_MN = _signs(key, max(1, num_matvecs), n, dtype)
     AV_MN = mm(V_MN)
     z, sq = _hutchinson_samples(V_MN, AV_MN)
@@ -115,12 +130,12 @@ def _hutchinson_samples(V_MN, AV_MN):
 
 
 def hutchpp(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec: MatVec | None = None,
-            chunk_size: int = 8) -> TraceEstimate:
+            chunk_size: int = 8, batches=None) -> TraceEstimate:
     """Hutch++ with k = num_matvecs // 3 sketch, basis and deflated-Hutchinson products each (3k in all)."""
     k = num_matvecs // 3
     if k < 2:
         raise ValueError(f"Hutch++ needs num_matvecs >= 6 (3 x 2 products), got {num_matvecs}")
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size)
+    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
     k_s, k_g = jax.random.split(key)
     S_KN, G_KN = _signs(k_s, k, n, dtype), _signs(k_g, k, n, dtype)
     Q_KN = _orth_rows(mm(S_KN))
@@ -142,7 +157,7 @@ def _deflate(Q_KN, G_KN):
 
 
 def xtrace(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec: MatVec | None = None,
-           kind: str = "sphere", chunk_size: int = 8) -> TraceEstimate:
+           kind: str = "sphere", chunk_size: int = 8, batches=None) -> TraceEstimate:
     """XTrace with m = num_matvecs // 2 test vectors (2m products: A Omega and A Q); kind "sphere" (the paper's
     improved estimator) or "rademacher". Refuses a budget above twice the operator's numerical rank."""
     m = num_matvecs // 2
@@ -150,7 +165,7 @@ def xtrace(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec:
         raise ValueError(f"XTrace needs num_matvecs >= 4 (2 x 2 products), got {num_matvecs}")
     if kind not in ("sphere", "rademacher"):
         raise ValueError(f"kind must be 'sphere' or 'rademacher', got {kind!r}")
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size)
+    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
     if m >= n:
         raise ValueError(f"XTrace needs num_matvecs // 2 < n = {n}, got {num_matvecs}")
     if kind == "sphere":
