@@ -52,7 +52,8 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     c.evaluate = evaluate
     defaults = dict(enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50,
                     grow_to=(),  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
-                    groups="")  # per-group traces: "" (top-level keys), "leaf", "growth" (see flatness.estimates)
+                    groups="",  # per-group traces: "" (top-level keys), "leaf", "growth", "block" (flatness.estimates)
+                    spectrum_k=0, density_probes=0, density_iters=30)  # Hessian spectrum (flatness.compare)
     c.flatness = ml_collections.ConfigDict({**defaults, **(flatness or {})})
     return c
 
@@ -204,7 +205,9 @@ def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
     if steps:
         flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,
-                     grow_to=tuple(fcfg.grow_to) or None, groups=fcfg.get("groups") or None, progress=progress)
+                     grow_to=tuple(fcfg.grow_to) or None, groups=fcfg.get("groups") or None, progress=progress,
+                     spectrum_k=fcfg.get("spectrum_k", 0), density_probes=fcfg.get("density_probes", 0),
+                     density_iters=fcfg.get("density_iters", 30))
 
 
 def load_experiment(spec: str):

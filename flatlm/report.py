@@ -65,6 +65,7 @@ ESTIMATOR_LABELS = {
     "hutchinson": "Tr(H) Hutchinson",
     "fisher": "Tr(F) Fisher, sampled labels",
     "hutchpp": "Tr(F) Fisher, Hutch++",
+    "xtrace": "Tr(H) XTrace",
     "empirical_fisher": "Tr(empirical Fisher), true labels",
 }
 
@@ -221,6 +222,29 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         plots.save(fig, out_dir / f"{name}.png")
         md.append(f"## {estimator_label(key)} vs accuracy\n\nSpearman's ρ = {rho:.3f}, bootstrap 95% interval "
                   f"[{lo:.3f}, {hi:.3f}] over {len(pairs)} checkpoints.\n\n![flatness]({name}.png)\n")
+
+    # 4a'. per-block traces of each estimator's last checkpoint (`flatlm flatness --groups block`)
+    for i, key in enumerate(ests):
+        rows = [(r.name, e["detail"]["per_group"], e["detail"].get("per_group_stderr") or {})
+                for r in runs for e in [r.flatness(key).get(max(r.flatness(key), default=None))]
+                if e and len((e.get("detail") or {}).get("per_group") or {}) > 1][:6]
+        if rows:
+            name = _plot_name("trace_per_block", i)
+            plots.save(plots.per_group_bars(rows, estimator_label(key)), out_dir / f"{name}.png")
+            sums = "; ".join(f"{n}: {sum(p.values()):.4g}" for n, p, _ in rows)
+            md.append(f"## {estimator_label(key)} per block\n\nSums over blocks (= the total): {sums}.\n\n"
+                      f"![blocks]({name}.png) ([pdf]({name}.pdf))\n")
+
+    # 4a''. the Hessian's spectrum at each run's last measured checkpoint (`flatlm flatness --spectrum-k/--density-*`)
+    spec = [(r.name, r.by_kind("spectrum")[max(r.by_kind("spectrum"))]) for r in runs if r.by_kind("spectrum")][:6]
+    if spec:
+        plots.save(plots.spectrum_panels(spec), out_dir / "spectrum.png")
+        lines = [f"- {n} (step {e['step']}): top eigenvalues {', '.join(f'{v:.4g}' for v in e['top']['values'][:5])}"
+                 if "top" in e else f"- {n} (step {e['step']})" for n, e in spec]
+        lines = [ln + "".join(f"; Tr(H^{m['p']}) = {m['value']:.4g} ± {m['stderr'] or 0:.2g}"
+                              for m in e.get("density", {}).get("moments", [])[:2]) for ln, (_, e) in zip(lines, spec)]
+        md.append("## Hessian spectrum (Lanczos top eigenvalues ± Ritz bounds; SLQ density and moments)\n\n"
+                  + "\n".join(lines) + "\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf))\n")
 
     # 4b. what training adds: rank of W - W0 per weight matrix (train.rank_every), one panel per run
     ranked = [r for r in runs if r.extra.get("ranks")]

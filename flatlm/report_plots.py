@@ -12,6 +12,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
 
+from flatlm.flatness.spectrum import Density
+
 SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 FORMATS = ("png", "pdf")
 
@@ -146,3 +148,46 @@ def tick_labels_overlap(fig: Figure, axis: str = "x") -> bool:
                 if boxes[i].overlaps(boxes[j]):
                     return True
     return False
+
+
+def per_group_bars(rows: list[tuple[str, dict, dict]], ylabel: str) -> Figure:
+    """Per-block (per-group) traces as grouped bars ± their standard errors: one bar per run in `rows` (run name,
+    {group: trace}, {group: stderr}) at every group, groups in first-seen order (at most 6 runs)."""
+    groups = list(dict.fromkeys(g for _, per, _ in rows for g in per))
+    fig, ax = subplots(figsize=(max(5.5, 0.6 * len(groups) * max(1, len(rows)) + 2), 4))
+    width = 0.8 / max(1, len(rows))
+    x = np.arange(len(groups))
+    for i, (name, per, se) in enumerate(rows):
+        vals = [per.get(g, np.nan) for g in groups]
+        errs = [se.get(g) or 0.0 for g in groups]
+        ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=name)
+    ax.set_xticks(x, groups, rotation=45, ha="right", fontsize=8)
+    ax.axhline(0.0, color="k", lw=0.5)
+    ax.set(ylabel=ylabel, title="per-block traces (last checkpoint; ± standard error)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def spectrum_panels(rows: list[tuple[str, dict]]) -> Figure:
+    """Per run (name, its "spectrum" results entry): left, the SLQ density of the Hessian's eigenvalues (log
+    scale, Gaussian-smoothed nodes, `Density.curve`); right, the top eigenvalues in order, ± their Ritz bounds."""
+    fig, (a, b) = subplots(2, figsize=(11, 4))
+    for name, e in rows:
+        d = e.get("density")
+        if d:
+            dens = Density(np.asarray(d["nodes"]), np.asarray(d["weights"]), int(d["dim"]))
+            lo, hi = float(dens.nodes.min()), float(dens.nodes.max())
+            pad = 0.05 * (hi - lo or 1.0)
+            grid = np.linspace(lo - pad, hi + pad, 2000)
+            tr = d["moments"][0]["value"] if d.get("moments") else float("nan")
+            a.plot(grid, np.maximum(dens.curve(grid), 1e-12), label=f"{name} (SLQ Tr(H) = {tr:.4g})")
+        top = e.get("top")
+        if top:
+            b.errorbar(np.arange(1, len(top["values"]) + 1), top["values"], top["residual"], fmt="o", ms=3,
+                       capsize=2, label=name)
+    a.set(yscale="log", xlabel="eigenvalue of H", ylabel="spectral density", title="Hessian spectrum (SLQ)")
+    b.set(xlabel="index (largest first)", ylabel="eigenvalue of H (± Ritz bound)", title="top eigenvalues (Lanczos)")
+    for ax in (a, b):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return fig

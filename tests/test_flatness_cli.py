@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from flatness_tiny import fast_compile, init, mlm_batch
 
+from flatlm import results
 from flatlm.cli import flatness as flatness_cli
 from flatlm.cli import grow as grow_cli
 from flatlm.errors import UserError
+from flatlm.flatness import compare
 from flatlm.models.bert import Bert, BertConfig
 from flatlm.table import format_table
 
@@ -72,17 +74,39 @@ def _main(argv, run, monkeypatch, capsys):
 
 def test_flatness_json_and_table(run, monkeypatch, capsys, tmp_path):
     w = str(tmp_path)  # the verb appends to the workdir's results.json
+    calls = []  # the spectrum's numbers are checked against eigh in test_hessian; here what the verb passes and stores
+
+    def fake_spectrum(apply_fn, params, batches, key, *, k, density_probes, density_iters):
+        calls.append((apply_fn, params, len(batches), k, density_probes, density_iters))
+        return {"dim": 3, "top": {"values": [2.0, 1.0], "residual": [0.0, 0.1], "num_matvecs": k + 5},
+                "density": {"nodes": [[1.0]], "weights": [[1.0]], "dim": 3, "moments": [{"p": 1, "value": 3.0}]}}
+
+    monkeypatch.setattr(compare, "spectrum_report", fake_spectrum)
     out = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
-                 "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--json"], run, monkeypatch, capsys)
+                 "--num-batches", "2", "--batch-size", "4", "--steps", "all", "--groups", "block", "--json",
+                 "--spectrum-k", "2", "--density-probes", "2", "--density-iters", "4"], run, monkeypatch, capsys)
     res = json.loads(out)
+    spec = res["spectrum"]  # one spectrum per checkpoint, after its trace
+    assert [e["step"] for e in spec] == [100, 200] and spec[0]["top"]["num_matvecs"] == 7
+    assert [c[2:] for c in calls] == [(2, 2, 2, 4)] * 2 and calls[0][0] == run.model.apply
+    assert spec[0]["settings"] == {"spectrum_k": 2, "density_probes": 2, "density_iters": 4, "seed": 0,
+                                   "num_batches": 2, "batch_size": 4}
+    stored = results.load(w)  # appended to results.json next to the traces (drawn: test_report_estimators)
+    assert [e["kind"] for e in stored] == ["flatness", "spectrum", "flatness", "spectrum"]
+    assert stored[1]["top"] == spec[0]["top"]
     assert res["method"] == "fisher" and [r["step"] for r in res["results"]] == [100, 200]
     assert res["results"][0]["mean"] > 0 and res["results"][0]["num_batches"] == 2
+    per = res["results"][0]["per_group"]  # blocks: embeddings, the layer's attention and MLP, head
+    assert list(per) == ["head", "layer_0/attn", "layer_0/mlp", "embed"]
+    assert sum(per.values()) == pytest.approx(res["results"][0]["mean"], rel=1e-6)
     table = _main(["flatness", "--workdir", w, "--method", "fisher", "--fisher-form", "summed", "--num-draws", "4",
-                   "--num-batches", "2", "--batch-size", "4"], run, monkeypatch, capsys)
+                   "--num-batches", "2", "--batch-size", "4", "--groups", "block", "--spectrum-k", "2"],
+                  run, monkeypatch, capsys)
     assert table.splitlines()[0].split()[:3] == ["step", "method", "mean"] and "200" in table
+    assert table.splitlines()[3].split() == ["step", "top_eigenvalues", "tr_slq"] and "2, 1" in table
     gap = json.loads(_main(["flatness", "--workdir", w, "--gap", "--num-probes", "4", "--chunk-size", "4",
                             "--num-draws", "4", "--fisher-form", "summed", "--num-batches", "2", "--batch-size", "4",
-                            "--json"], run, monkeypatch, capsys))  # gap_report through the CLI
+                            "--groups", "block", "--json"], run, monkeypatch, capsys))  # gap_report through the CLI
     rep = gap["results"][0]
     assert gap["method"] == "gap" and rep["step"] == 200 and rep["loss"] > 0
     assert {"hessian", "fisher", "empirical_fisher", "hessian_minus_fisher_z", "identity_within_3se"} <= set(rep)

@@ -17,6 +17,7 @@ from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert
 from jax.flatten_util import ravel_pytree
 
 from flatlm.errors import UserError
+from flatlm.flatness import compare
 from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import TraceEstimate
 from flatlm.models.losses import mlm_loss
@@ -46,7 +47,7 @@ def bert_case():
 def bert_hutchinson(bert_case):
     _, params, loss, _ = bert_case
     with float64_everywhere():
-        return hs.hutchinson_trace(loss, params, jax.random.key(0), 2000, chunk_size=250)
+        return hs.hutchinson_trace(loss, params, jax.random.key(0), 2000, chunk_size=250, groups="block")
 
 
 def _toy_params():
@@ -111,12 +112,15 @@ def test_hutchinson_matches_exact_trace_on_bert(bert_case, bert_hutchinson):
 
 
 def test_per_group_traces(bert_case, bert_hutchinson):
+    """Top-level groups by name; the estimates' groups (here "block") each within 4 standard errors of the trace
+    of their diagonal block of jax.hessian."""
     _, params, _, H = bert_case
-    with jax.enable_x64(True):
-        diag = jax.tree.map(np.asarray, ravel_pytree(params)[1](np.diag(H)))
-    assert set(bert_hutchinson.per_group) == set(params)
-    for name, value in diag.items():  # 8 groups: allow 4 standard errors each
-        exact = float(sum(np.sum(x) for x in jax.tree.leaves(value)))
+    assert hs.param_groups(params)[0] == list(params) and hs.param_groups(params, "top")[0] == list(params)
+    names, ids = hs.param_groups(params, "block")
+    block_of = np.repeat(ids, [np.size(x) for x in jax.tree.leaves(params)])
+    assert list(bert_hutchinson.per_group) == names
+    for i, name in enumerate(names):  # 4 groups: allow 4 standard errors each
+        exact = float(np.diag(H)[block_of == i].sum())
         assert abs(bert_hutchinson.per_group[name] - exact) < 4 * bert_hutchinson.per_group_stderr[name] + 1e-9
 
 
@@ -262,3 +266,55 @@ def test_one_device_and_8_device_mesh_agree():
             assert b["per_group"][g] == pytest.approx(a["per_group"][g], rel=1e-7, abs=1e-9)
     assert mesh["est"]["trace_sq"] == pytest.approx(one["est"]["trace_sq"], rel=1e-9)
     assert sum(one["est"]["per_group"].values()) == pytest.approx(one["est"]["mean"], rel=1e-10)
+
+
+def test_block_groups_cover_bert_and_sum_to_the_total(bert_case, bert_hutchinson):
+    """`groups="block"`: embeddings, each layer's attention and MLP, head. Exact per-block traces are the traces
+    of jax.hessian's diagonal blocks and sum to Tr(H); Hutchinson's per-block estimates sum to its total (the same
+    samples split), which is within its errors of Tr(H) (each block against its exact value: test_per_group_traces).
+    """
+    _, params, loss, H = bert_case
+    two = jax.eval_shape(lambda: tiny_bert(num_layers=2, dtype="float32")[1])
+    assert hs.param_groups(two, "block")[0] == ["head", "layer_0/attn", "layer_0/mlp", "layer_1/attn",
+                                                "layer_1/mlp", "embed"]
+    names, ids = hs.param_groups(params, "block")
+    block_of = np.repeat(ids, [np.size(x) for x in jax.tree.leaves(params)])
+    want = {n: float(np.diag(H)[block_of == i].sum()) for i, n in enumerate(names)}
+    with float64_everywhere():
+        exact = hs.exact_trace(loss, params, groups="block")
+    assert exact.per_group == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert sum(exact.per_group.values()) == pytest.approx(np.trace(H), rel=1e-12)
+    est = bert_hutchinson
+    assert sum(est.per_group.values()) == pytest.approx(est.mean, rel=1e-10)
+    assert abs(sum(est.per_group.values()) - sum(want.values())) < 3 * est.stderr
+
+
+def test_spectrum_report_against_eigh(bert_case):
+    """`compare.spectrum_report` (what `flatlm flatness --spectrum-k/--density-probes` stores) on the MLM loss:
+    every top Ritz value within its bound of an eigenvalue of jax.hessian's H, the largest converged to H's
+    largest, and the SLQ moments Tr(H), Tr(H^2) within 4 standard errors of the exact ones."""
+    model, params, _, H = bert_case
+    eig = np.linalg.eigvalsh(H)
+    with float64_everywhere():
+        rep = compare.spectrum_report(model.apply, params, [mlm_batch(0)], jax.random.key(2), k=3,
+                                      density_probes=8, density_iters=8)
+    top = rep["top"]
+    assert rep["dim"] == H.shape[0] and top["num_matvecs"] == 8 and len(top["values"]) == 3
+    assert list(top["values"]) == sorted(top["values"], reverse=True)
+    for v, r in zip(top["values"], top["residual"]):
+        assert np.min(np.abs(eig - v)) <= r + 1e-9
+    assert top["values"][0] == pytest.approx(eig[-1], rel=1e-6)
+    moments = {m["p"]: m for m in rep["density"]["moments"]}
+    assert sorted(moments) == [1, 2, 3, 4] and rep["density"]["num_matvecs"] == 64
+    for p, exact in ((1, np.trace(H)), (2, np.sum(H * H))):
+        assert abs(moments[p]["value"] - exact) < 4 * moments[p]["stderr"], (p, moments[p], exact)
+
+
+@pytest.mark.slow  # ~5 s: compiles the stacked HVP of the tiny BERT in float64 (the estimator: test_trace_estimators)
+def test_measure_xtrace_on_bert(bert_case):
+    """`flatlm flatness --method xtrace`: XTrace of the MLM Hessian within 4 of its standard errors of Tr(H)."""
+    model, params, _, H = bert_case
+    with float64_everywhere():
+        est = compare.measure("xtrace", model.apply, params, [mlm_batch(0)], jax.random.key(3), num_probes=200)
+    assert est.method == "xtrace_sphere" and est.num_samples == 200
+    assert abs(est.mean - np.trace(H)) < 4 * est.stderr, (est.mean, np.trace(H), est.stderr)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from flatlm import report, results
+from flatlm import report_plots as plots
 
 
 def _run(root, name, hutch, emp, acc):
@@ -52,3 +54,60 @@ def test_estimator_keys_separate_grown_measurements():
     runs = [report.RunData("r", None, {}, [], [dict(grown, step=1, trace=2.0), dict(plain, step=1, trace=np.e)])]
     assert report.estimators(runs) == [("fisher", None), ("fisher", (4, 256))]
     assert runs[0].flatness(("fisher", None))[1]["trace"] == np.e
+
+
+def test_per_block_panel_from_results_files(tmp_path):
+    """`--groups block` entries in results.json -> one grouped bar per run and block, bar = the block's trace,
+    error bar = ± its standard error; the report names the sums over blocks (= the totals)."""
+    per = {"a": {"embed": 1.5, "layer_0/attn": 4.0, "layer_0/mlp": 2.5, "head": 7.0},
+           "b": {"embed": 0.5, "layer_0/attn": 3.0, "layer_0/mlp": 1.0, "head": 5.5}}
+    dirs = []
+    for name, blocks in per.items():
+        wd = tmp_path / name
+        wd.mkdir()
+        (wd / "config.json").write_text("{}")
+        detail = {"mean": sum(blocks.values()), "per_group": blocks,
+                  "per_group_stderr": {k: 0.1 * v for k, v in blocks.items()}}
+        results.append(str(wd), [{"kind": "flatness", "step": s, "method": "hutchinson", "trace": detail["mean"] + s,
+                                  "trace_stderr": 0.1, "detail": detail} for s in (1, 2)])
+        if name == "a":  # a spectrum entry as `flatlm flatness --spectrum-k 2 --density-probes 2` writes it
+            results.append(str(wd), [{"kind": "spectrum", "step": 2, "settings": {}, "dim": 10, **SPECTRUM}])
+        dirs.append(str(wd))
+    runs = report.find_runs(dirs)
+    rows = [(r.name, e["detail"]["per_group"], e["detail"]["per_group_stderr"])
+            for r in runs for e in [r.flatness(("hutchinson", None))[2]]]
+    fig = plots.per_group_bars(rows, "Tr(H)")
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(per["a"])
+    bars = [c for c in ax.containers if hasattr(c, "patches")]
+    errs = [c for c in ax.containers if hasattr(c, "has_yerr")]
+    assert len(bars) == 2 and len(errs) == 2
+    for bar, err, name in zip(bars, errs, per):
+        np.testing.assert_allclose([p.get_height() for p in bar.patches], list(per[name].values()))
+        half = [seg[1, 1] - seg[0, 1] for seg in err.lines[2][0].get_segments()]
+        np.testing.assert_allclose(half, [2 * 0.1 * v for v in per[name].values()])
+    md = report.make_report(dirs, str(tmp_path / "out")).read_text()
+    assert (tmp_path / "out" / "trace_per_block.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Tr(H) Hutchinson per block" in md and "a: 15; b: 10" in md
+    assert (tmp_path / "out" / "spectrum.png").read_bytes()[:4] == b"\x89PNG"
+    assert "- a (step 2): top eigenvalues 9, 4; Tr(H^1) = 12 ± 3; Tr(H^2) = 70 ± 20" in md
+
+
+SPECTRUM = {"top": {"values": [9.0, 4.0], "residual": [0.01, 0.5], "num_matvecs": 7},
+            "density": {"nodes": [[-1.0, 2.0, 9.0], [0.0, 1.0, 4.0]], "weights": [[0.25, 0.5, 0.25], [0.6, 0.2, 0.2]],
+                        "dim": 10, "num_matvecs": 6, "moments": [{"p": 1, "value": 12.0, "stderr": 3.0},
+                                                                 {"p": 2, "value": 70.0, "stderr": 20.0}]}}
+
+
+def test_spectrum_panel():
+    """Density: the Gaussian-smoothed SLQ nodes (log axis), integrating to 1; top eigenvalues ± Ritz bounds."""
+    fig = plots.spectrum_panels([("a", {"step": 2, **SPECTRUM})])
+    a, b = fig.axes
+    (line,) = a.get_lines()
+    x, y = line.get_data()
+    assert a.get_yscale() == "log" and np.trapezoid(y, x) == pytest.approx(1.0, abs=1e-3)
+    assert x[np.argmax(y)] == pytest.approx(0.0, abs=0.02)  # the heaviest node: weight 0.6 / 2 probes at 0
+    (bars,) = b.containers
+    np.testing.assert_allclose(np.asarray(bars.lines[0].get_ydata(), float), [9.0, 4.0])
+    half = [seg[1, 1] - seg[0, 1] for seg in bars.lines[2][0].get_segments()]
+    np.testing.assert_allclose(half, [0.02, 1.0])

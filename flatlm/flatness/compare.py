@@ -3,6 +3,8 @@
 - `measure(method, apply_fn, params, batches, key, ...)` -> TraceEstimate, method in METHODS.
 - `gap_report(apply_fn, params, batches, key, ...)` -> dict: Tr(H) on true labels, Tr(Fisher) under the model,
   the empirical Fisher and the loss, to show when the saturation-regime identity E[H] = F holds.
+- `spectrum_report(apply_fn, params, batches, key, ...)` -> dict: the Hessian's top-k eigenvalues (Lanczos, with
+  Ritz error bounds) and its stochastic-Lanczos-quadrature density with the moments Tr(H^p), p = 1..4.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from flatlm.flatness import spectrum, trace_estimators
 from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
-from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace
+from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp
 from flatlm.models.losses import mlm_loss
 
-METHODS = ("fisher", "hutchinson", "hutchpp", "exact", "empirical_fisher")
+METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
 
 
 @functools.lru_cache(maxsize=16)
@@ -36,6 +39,13 @@ def _loss(params, batch, apply_fn):
 @functools.lru_cache(maxsize=16)
 def _fisher_matvec(apply_fn: ApplyFn):
     return lambda p, v, b: fisher_vp(apply_fn, p, b, v)
+
+
+@functools.lru_cache(maxsize=16)
+def _hvp_batch(apply_fn: ApplyFn):
+    """Jitted (params, v, batch) -> H_batch v for the MLM loss (forward-over-reverse; nothing kept between calls)."""
+    loss = _mlm_loss_fn(apply_fn)
+    return jax.jit(lambda p, v, b: hvp(lambda q: loss(q, b), p, v))
 
 
 def measure(
@@ -56,7 +66,9 @@ def measure(
     fisher: Tr(Fisher) under the model, the paper's measure (`num_draws` per context, `fisher_form` per_sample or
     summed); hutchinson: Tr(Hessian) on true labels, `num_probes` Rademacher probes per batch (the released code's
     measure, with Rademacher instead of Gaussian probes); hutchpp: Tr(Fisher) by Hutch++ with `num_probes`
-    Fisher-vector products; exact: Tr(Hessian) via jax.hessian (tiny models); empirical_fisher: true labels.
+    Fisher-vector products; xtrace: Tr(Hessian) on true labels by XTrace (`trace_estimators.xtrace`) with a budget
+    of `num_probes` Hessian-vector products (each a pass over the batches; num_probes / 2 parameter copies held);
+    exact: Tr(Hessian) via jax.hessian (tiny models); empirical_fisher: true labels.
     """
     batches = [batches] if isinstance(batches, dict) else list(batches)
     if method == "fisher":
@@ -67,6 +79,9 @@ def measure(
     if method == "hutchpp":
         return hutchpp_trace(_fisher_matvec(apply_fn), params, key, num_probes, batches=batches,
                              chunk_size=chunk_size, groups=groups)
+    if method == "xtrace":
+        return trace_estimators.xtrace(_mlm_loss_fn(apply_fn), params, key, num_probes, batches=batches,
+                                       chunk_size=chunk_size)
     if method == "exact":
         return exact_trace(_mlm_loss_fn(apply_fn), params, batches=batches, groups=groups)
     if method == "empirical_fisher":
@@ -115,3 +130,33 @@ def gap_report(
         "empirical_over_fisher": emp.mean / fish.mean if fish.mean != 0 else None,
         "identity_within_3se": bool(abs(gap) <= 3 * gap_se),
     }
+
+
+def spectrum_report(apply_fn: ApplyFn, params, batches: Iterable[dict], key: jax.Array, *, k: int = 20,
+                    density_probes: int = 0, density_iters: int = 30, moments: int = 4) -> dict[str, Any]:
+    """The spectrum of H, the Hessian of the MLM loss averaged over `batches` (the operator `hutchinson` traces),
+    as a JSON-able dict: "top" (k > 0): the k largest Ritz values of k + 5 Lanczos steps, descending, each within
+    its "residual" of an eigenvalue of H (`spectrum.top_eigenvalues`); "density" (density_probes > 0): SLQ nodes
+    and weights of `density_probes` probes x `density_iters` steps (`spectrum.spectral_density`) and "moments",
+    Tr(H^p) for p = 1..`moments` with standard errors over probes (None with one probe). One HVP = one pass over
+    the batches; "num_matvecs" counts them (for the density at most: Lanczos stops on an exhausted Krylov space)."""
+    batches = [batches] if isinstance(batches, dict) else list(batches)
+    hv = _hvp_batch(apply_fn)
+
+    def matvec(v):
+        out = [hv(params, v, b) for b in batches]
+        return jax.tree.map(lambda *xs: sum(xs) / len(xs), *out)
+
+    k_top, k_density = jax.random.split(key)
+    report: dict[str, Any] = {"dim": spectrum.num_params(params), "num_batches": len(batches)}
+    if k > 0:
+        report["top"] = spectrum.top_eigenvalues(None, params, k_top, k=k, matvec=matvec).to_dict()
+    if density_probes > 0:
+        density = spectrum.spectral_density(None, params, k_density, num_probes=density_probes,
+                                            num_iters=density_iters, matvec=matvec)
+        rows = []
+        for p in range(1, moments + 1):
+            value, se = density.moment(p)
+            rows.append({"p": p, "value": value, "stderr": se if math.isfinite(se) else None})
+        report["density"] = {**density.to_dict(), "moments": rows, "num_matvecs": density_probes * density_iters}
+    return report

@@ -172,15 +172,36 @@ def growth_group(path: tuple[str, ...]) -> str:
     return "growth_invariant" if path and path[-1] in GROWTH_INVARIANT else "growth_rescaled"
 
 
+def block_group(path: tuple[str, ...]) -> str:
+    """The model's blocks: "embed" (token / position embeddings and their LayerNorm), "layer_<i>/attn" and
+    "layer_<i>/mlp" (each sublayer with its own LayerNorm), "head" (the final LayerNorm and the MLM head), and for
+    other models each top-level module ("bilstm_0", ...; "tok_embed" -> "embed", "head*" -> "head")."""
+    if not path:
+        return "params"
+    top = path[0]
+    if top in ("tok_embed", "pos_embed", "embed_ln"):
+        return "embed"
+    if top == "final_ln" or top.startswith("head"):
+        return "head"
+    if top.startswith("layer_") and len(path) > 1:
+        sub = path[1]
+        return f"{top}/{'attn' if sub.startswith('attn') else 'mlp' if sub.startswith('mlp') else sub}"
+    return top
+
+
+GROUP_MODES = {"top": top_level_group, "leaf": leaf_group, "growth": growth_group, "block": block_group}
+
+
 def param_groups(params, groups: GroupFn | str | None = None) -> tuple[list[str], list[int]]:
     """Group names (in first-seen leaf order) and, per leaf of `jax.tree.leaves(params)`, its group index.
 
-    groups: None or "top" (top-level keys), "leaf" (every tensor), "growth" (`growth_group`), or a function of
-    the path tuple.
+    groups: None or "top" (top-level keys), "leaf" (every tensor), "growth" (`growth_group`), "block"
+    (`block_group`: embeddings, each layer's attention and MLP, head), or a function of the path tuple.
     """
-    fn = {None: top_level_group, "top": top_level_group, "leaf": leaf_group, "growth": growth_group}.get(groups, groups)
+    fn = top_level_group if groups is None else GROUP_MODES.get(groups, groups) if isinstance(groups, str) else groups
     if not callable(fn):
-        raise ValueError(f"groups must be None, 'top', 'leaf', 'growth' or a callable, got {groups!r}")
+        raise ValueError(f"groups must be None, one of {', '.join(map(repr, GROUP_MODES))} or a callable, "
+                         f"got {groups!r}")
     names: list[str] = []
     ids: list[int] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -1,7 +1,9 @@
 """Flatness of a run's checkpoints (used by `flatlm flatness`, experiments and the demo).
 
 Each entry: {"kind": "flatness", "step", "method", "grown_to", "trace", "trace_stderr", "detail":
-TraceEstimate.to_dict()}, appended to the run's results.json. The batches are masked validation sentences (one
+TraceEstimate.to_dict()}, appended to the run's results.json. With `spectrum_k` or `density_probes`, each step also
+gets {"kind": "spectrum", "step", "grown_to", "settings", **`compare.spectrum_report`} (the Hessian's top
+eigenvalues with Ritz bounds, its SLQ density and moments Tr(H^p)). The batches are masked validation sentences (one
 masked position per sentence, as in the paper's B.1), the same for every checkpoint, so traces along training
 compare. With `gap=True` each entry is instead the Hessian / Fisher / empirical-Fisher comparison of
 `flatlm.flatness.compare.gap_report` ({"kind": "flatness_gap", ...}), returned but not appended.
@@ -25,12 +27,14 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 num_batches: int = 4, batch_size: int = 128, draws: int = 50, seed: int = 0,
                 fisher_form: str = "per_sample", chunk_size: int = 1, groups: str | None = None,
                 grow_to: tuple[int, int] | None = None, gap: bool = False, append: bool = True,
-                progress: bool = True) -> list[dict]:
+                progress: bool = True, spectrum_k: int = 0, density_probes: int = 0,
+                density_iters: int = 30) -> list[dict]:
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
     function (paper Figure 5, B.4), so sizes compare; for a BiLSTM it is (num_layers, d_hidden), width only.
-    Step s uses the key `seed + s`. Appending holds the
+    Step s uses the key `seed + s` (its spectrum fold_in(that key, 1)); spectrum entries follow their step's
+    flatness entry in the returned list. Appending holds the
     workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
     """
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
@@ -54,13 +58,20 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             if gap:
                 entries.append({"kind": "flatness_gap", "step": step,
                                 **compare.gap_report(model.apply, params, batches, key, **kw)})
-                continue
-            est = compare.measure(method, model.apply, params, batches, key, **kw)
-            entry = {"kind": "flatness", "step": step, "method": method, "grown_to": grow_to, "settings": settings,
-                     "trace": est.mean, "trace_stderr": est.stderr, "detail": est.to_dict()}
-            if append:
-                results_lib.append(run.workdir, [entry])
-            entries.append(entry)
+            else:
+                est = compare.measure(method, model.apply, params, batches, key, **kw)
+                entries.append({"kind": "flatness", "step": step, "method": method, "grown_to": grow_to,
+                                "settings": settings, "trace": est.mean, "trace_stderr": est.stderr,
+                                "detail": est.to_dict()})
+            if spectrum_k or density_probes:
+                spec = dict(spectrum_k=spectrum_k, density_probes=density_probes, density_iters=density_iters,
+                            seed=seed, num_batches=num_batches, batch_size=batch_size)
+                entries.append({"kind": "spectrum", "step": step, "grown_to": grow_to, "settings": spec,
+                                **compare.spectrum_report(model.apply, params, batches, jax.random.fold_in(key, 1),
+                                                          k=spectrum_k, density_probes=density_probes,
+                                                          density_iters=density_iters)})
+            if append and not gap:
+                results_lib.append(run.workdir, [e for e in entries if e["step"] == step])
         return entries
 
 

@@ -17,6 +17,8 @@ Eigenvalues and densities are in the units of the loss's curvature (nats per uni
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -33,10 +35,6 @@ def _dot(a: Params, b: Params) -> float:
     return float(sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
 
 
-def _axpy(alpha: float, x: Params, y: Params) -> Params:
-    return jax.tree.map(lambda xi, yi: yi + alpha * xi, x, y)
-
-
 def _scale(alpha: float, x: Params) -> Params:
     return jax.tree.map(lambda xi: alpha * xi, x)
 
@@ -48,21 +46,70 @@ def num_params(params: Params) -> int:
 
 def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.ndarray]:
     """(alpha[m], beta[m]) of T_m from `num_iters` Lanczos steps started at `v0` (normalised here); beta[-1] is
-    the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters)."""
-    v = _scale(1.0 / np.sqrt(_dot(v0, v0)), v0)
-    basis, alphas, betas = [v], [], []
-    for _ in range(num_iters):
-        w = matvec(basis[-1])
-        alphas.append(_dot(w, basis[-1]))
-        for _ in range(2):  # full reorthogonalisation, twice ("twice is enough")
-            for q in basis:
-                w = _axpy(-_dot(w, q), q, w)
-        beta = float(np.sqrt(max(_dot(w, w), 0.0)))
+    the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters).
+
+    Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so each
+    full reorthogonalisation is two matrix products of one shape (compiled once) instead of a dot per basis vector
+    and parameter tensor."""
+    ravel, unravel = _raveller(*_structure(v0))
+    mv = lambda x: ravel(matvec(unravel(x)))
+    flat0 = ravel(v0)
+    v = flat0 / jnp.linalg.norm(flat0)
+    B_MN = _put_row(jnp.zeros((num_iters, v.size), v.dtype), v, 0)
+    alphas, betas = [], []
+    for i in range(num_iters):
+        alpha, beta, v_next, B_next = _lanczos_step(B_MN, v, mv(v), min(i + 1, num_iters - 1))
+        alpha, beta = map(float, jax.device_get((alpha, beta)))  # one host round trip per step
+        alphas.append(alpha)
         betas.append(beta)
-        if beta <= 1e-10 * max(1.0, abs(alphas[-1])):
+        if beta <= 1e-10 * max(1.0, abs(alpha)) or i + 1 == num_iters:
             break
-        basis.append(_scale(1.0 / beta, w))
+        v, B_MN = v_next, B_next
     return np.asarray(alphas), np.asarray(betas)
+
+
+@jax.jit
+def _lanczos_step(B_MN, v_N, w_N, i):
+    """alpha = w.v, then w reorthogonalised against the basis, beta = |w|, the next vector w / beta and the basis
+    with it as row i (one dispatch per step)."""
+    alpha = jnp.vdot(w_N, v_N)
+    w_N, beta = _reorthogonalise(B_MN, w_N)
+    v_next = w_N / jnp.where(beta > 0, beta, 1.0)
+    return alpha, beta, v_next, _put_row(B_MN, v_next, i)
+
+
+def _structure(tree: Params) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((jnp.dtype(x.dtype), tuple(np.shape(x))) for x in leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _raveller(treedef, shapes: tuple) -> tuple[Callable, Callable]:
+    """Jitted (ravel, unravel) between pytrees of this structure and one vector of their common (>= float32)
+    dtype: two dispatches per Lanczos step instead of one per tensor (compiled once per structure)."""
+    dtype = jnp.result_type(*(jnp.promote_types(d, jnp.float32) for d, _ in shapes))
+    offsets = np.cumsum([0, *(math.prod(s) for _, s in shapes)])
+
+    def ravel(tree):
+        return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in jax.tree.leaves(tree)])
+
+    def unravel(x_N):
+        return treedef.unflatten([x_N[a:b].reshape(s).astype(d) for (d, s), a, b in zip(shapes, offsets, offsets[1:])])
+
+    return jax.jit(ravel), jax.jit(unravel)
+
+
+@jax.jit
+def _reorthogonalise(B_MN, w_N):
+    """w minus its projection on the rows of B (orthonormal or zero), twice ("twice is enough"), and its norm."""
+    for _ in range(2):
+        w_N = w_N - (B_MN @ w_N) @ B_MN
+    return w_N, jnp.linalg.norm(w_N)
+
+
+@jax.jit
+def _put_row(B_MN, v_N, i):
+    return jax.lax.dynamic_update_index_in_dim(B_MN, v_N, i, 0)
 
 
 def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
