@@ -203,18 +203,7 @@ class HMM:
         tokens_NT, lengths_N = self._check_batch(tokens, lengths)
         n = tokens_NT.shape[0]
         params = self._params()
-        out, pending = None, []  # pending: (start, rows, device result) not yet copied
-
-        def drain(start, b, result):
-            nonlocal out
-            chunk = np.asarray(result)[:b]
-            if n <= chunk_size:
-                return chunk
-            if out is None:
-                out = np.empty((n, *chunk.shape[1:]), chunk.dtype)
-            out[start : start + b] = chunk
-            return None
-
+        out, pending = None, None  # pending: (start, rows, device result) dispatched, not yet copied
         for start in range(0, max(n, 1), chunk_size):
             tok_BT, len_B = tokens_NT[start : start + chunk_size], lengths_N[start : start + chunk_size]
             b = tok_BT.shape[0]
@@ -225,11 +214,15 @@ class HMM:
                 len_B = np.pad(len_B, (0, bucket - b))
             result = fn(*params, tok_BT, len_B)
             result.copy_to_host_async()
-            pending.append((start, b, result))
-            if len(pending) > 1:
-                drain(*pending.pop(0))
-        last = drain(*pending.pop())
-        return out if last is None else last
+            if n <= chunk_size:
+                return np.asarray(result)[:b]
+            if out is None:
+                out = np.empty((n, *result.shape[1:]), result.dtype)
+            if pending is not None:
+                out[pending[0] : pending[0] + pending[1]] = np.asarray(pending[2])[: pending[1]]
+            pending = (start, b, result)
+        out[pending[0] : pending[0] + pending[1]] = np.asarray(pending[2])[: pending[1]]
+        return out
 
 
 class _RowSampler:
