@@ -30,8 +30,17 @@ test-all: $(STAMP)
 reproduce: $(STAMP)  # the paper's claims at CPU scale (resumable; see docs/reproduction/)
 	$(VENV)/bin/flatlm reproduce --preset cpu --workdir runs/reproduce-cpu
 
-bench: $(STAMP)
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+# The peers (`bench` extra). TORCH is installed first so that pip takes the CPU wheel, not gigabytes of CUDA
+# packages; elsewhere pass e.g. TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
+TORCH ?= torch==2.13.0
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)  # every benchmark, peers in the same process; tens of minutes on 2 cores
+	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
