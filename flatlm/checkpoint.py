@@ -27,21 +27,13 @@ import orbax.checkpoint as ocp
 
 from flatlm import paths
 from flatlm.config import check_positive
-from flatlm.errors import DiskFull, UserError, disk_full_is_one_line, is_disk_full
+from flatlm.errors import DamagedCheckpoint, DiskFull, UserError, disk_full_is_one_line, is_disk_full
 
 MANIFEST = "flatlm_sha256.json"  # in each step folder: {"files": {relative path: {"size", "sha256"}}}
 DAMAGED = "checkpoints_damaged"  # <workdir>/checkpoints_damaged/<step>: where damaged step folders go
 # What orbax / tensorstore / grain raise on missing, truncated or garbled files (json errors are ValueErrors);
 # orbax wraps tensorstore's in a bare Exception, so the whole chain is searched (`_damage_error`)
 DAMAGE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)
-
-
-class DamagedCheckpoint(RuntimeError):
-    """A checkpoint failed its checksums or orbax's checks while being restored; it has been moved aside."""
-
-    def __init__(self, step: int, reason: str, moved_to: paths.Path):
-        self.step, self.reason, self.moved_to = step, reason, moved_to
-        super().__init__(f"checkpoint {step} is damaged ({reason}); moved to {moved_to}")
 
 
 def validate_config(checkpoint) -> None:

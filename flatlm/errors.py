@@ -46,3 +46,22 @@ def disk_full_is_one_line(message: str):
         if not is_disk_full(e):
             raise
         raise DiskFull(message) from e
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training produced a NaN/inf; the last good checkpoint is left as it was."""
+
+
+class Preempted(RuntimeError):
+    """Training stopped on SIGTERM (e.g. a preempted VM) after saving a checkpoint: the run is NOT finished.
+
+    The CLI exits with 143 (128 + SIGTERM); rerunning the same command resumes from the saved step.
+    """
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint failed its checksums or orbax's checks while being restored; it has been moved aside."""
+
+    def __init__(self, step: int, reason: str, moved_to):
+        self.step, self.reason, self.moved_to = step, reason, moved_to
+        super().__init__(f"checkpoint {step} is damaged ({reason}); moved to {moved_to}")

@@ -118,3 +118,36 @@ def test_quiet_task_builds_print_nothing(tmp_path, capfd):
     captured = capfd.readouterr()
     assert len(out["train"]["label"]) == 40
     assert "Downloading and preparing" not in captured.err + captured.out and "examples" not in captured.err
+
+
+def test_row_hash_draws_depend_on_the_row_id_only_and_are_uniform():
+    """`RowHash` (the pipeline's masks): a row's draws are the same in any batch that holds it, and the draws of
+    200k rows pass a Kolmogorov-Smirnov test for U[0, 1) (and integers are uniform by chi-square)."""
+    from scipy import stats
+
+    from flatlm.data.masking import RowHash
+
+    big = RowHash(7, np.arange(200_000)).random((200_000, 4))
+    part = RowHash(7, np.arange(5_000, 9_000)[::-1]).random((4_000, 4))
+    np.testing.assert_array_equal(part, big[5_000:9_000][::-1])
+    assert stats.kstest(big.ravel(), "uniform").pvalue > 1e-3
+    assert not np.array_equal(RowHash(8, np.arange(10)).random((10, 4)), big[:10])  # the seed matters
+    counts = np.bincount(RowHash(7, np.arange(50_000)).integers(0, 20, (50_000, 2)).ravel(), minlength=20)
+    assert stats.chisquare(counts).pvalue > 1e-3
+
+
+def test_corpus_arrays_hold_the_train_split_and_are_rebuilt_from_the_records(tmp_path):
+    """The arrays the builder saves are the train split's sentences (as a multiset); a corpus without them (built
+    before they existed) gets them from its records once, and a truncated file is not trusted."""
+    b = builder.build(SPEC, str(tmp_path), train_size=300, eval_size=10, seed=0, quiet=True)
+    src = builder.data_sources(b)["train"]
+    tokens, lengths = builder.corpus_arrays(src)
+    records = sorted((bytes(src[i]["tokens"].astype(np.int32)), int(src[i]["length"])) for i in range(300))
+    assert sorted((bytes(t.astype(np.int32)), int(n)) for t, n in zip(tokens, lengths)) == records
+    tok_path = tmp_path.rglob("train-tokens.npy").__next__()
+    tok_path.unlink()
+    again, lengths2 = builder.corpus_arrays(src)  # from the records, in index order, and saved
+    assert [bytes(t.astype(np.int32)) for t in again] == [bytes(src[i]["tokens"].astype(np.int32)) for i in range(300)]
+    assert tok_path.exists()
+    np.save(tok_path, np.asarray(again)[:10])  # a stale or truncated file: read from the records again
+    assert len(builder.corpus_arrays(src)[0]) == 300

@@ -1,32 +1,35 @@
-"""`flatlm VERB ...`: builds the parser from the verb modules and turns errors into one line and an exit code."""
+"""`flatlm VERB ...`: builds the parser from the verb modules and turns errors into one line and an exit code.
+
+Only the verb being run is imported (`flatlm train` does not load the report's scipy and matplotlib, nor the
+theory code): start-up is part of every command's wall time. `flatlm --help` imports them all.
+"""
 
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
 
-from flatlm.checkpoint import DamagedCheckpoint  # noqa: E402
-from flatlm.cli import data, demo, evaluate, experiment, flatness, grow, report, reproduce, theory, train  # noqa: E402
 from flatlm.cli.common import Parser  # noqa: E402
-from flatlm.errors import DiskFull, UserError  # noqa: E402
-from flatlm.run import initialize_distributed  # noqa: E402
-from flatlm.train.loop import NonFiniteLoss, Preempted  # noqa: E402
+from flatlm.errors import DamagedCheckpoint, DiskFull, NonFiniteLoss, Preempted, UserError  # noqa: E402
 
 # A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
 USER_PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR)
-VERBS = (train, data, demo, evaluate, flatness, grow, experiment, reproduce, report, theory)  # each has add_parser(sub)
+# flatlm.cli.<verb> modules, each with add_parser(sub), in the order `flatlm --help` lists them
+VERBS = ("train", "data", "demo", "evaluate", "flatness", "grow", "experiment", "reproduce", "report", "theory")
 
 
-def build_parser() -> Parser:
-    """The `flatlm` parser with one sub-command per verb module; each sets `func(args)` and `overrides`."""
+def build_parser(verbs: tuple[str, ...] = VERBS) -> Parser:
+    """The `flatlm` parser with one sub-command per verb module (all, or only `verbs`); each sets `func(args)`
+    and `overrides`."""
     p = Parser(prog="flatlm", description="Same pre-training loss, better downstream: flatlm's command line.")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
-    for verb in VERBS:
-        verb.add_parser(sub)
+    for verb in verbs:
+        importlib.import_module(f"flatlm.cli.{verb}").add_parser(sub)
     return p
 
 
@@ -36,10 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     try:
-        args, extra = build_parser().parse_known_args(argv)
+        first = (sys.argv[1:] if argv is None else argv)[:1]
+        args, extra = build_parser(tuple(first) if first and first[0] in VERBS else VERBS).parse_known_args(argv)
         if extra and not args.overrides:
             raise UserError(f"unrecognised argument {extra[0]!r} (see `flatlm {args.verb} --help`)")
         args.overrides = extra
+        from flatlm.run import initialize_distributed  # reason: JAX's import, after the cheap argument checks
+
         initialize_distributed()  # a process of a multi-host launch (JAX_COORDINATOR_ADDRESS, ...): join it first
         return args.func(args)
     except UserError as e:

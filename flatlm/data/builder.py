@@ -2,7 +2,9 @@
 
 Splits: `train` (tokens, length) and `validation` (tokens, length, exact conditionals q[T, V] with
 q[t, w] = P(x_t = w | x_-t)); latent variables the language exposes as int arrays of shape [T] (e.g. HMM
-states) are stored too. A corpus is identified by a hash of (language spec, sizes, seed), so two runs
+states) are stored too. The train split's tokens and lengths are also saved as two .npy arrays beside it
+(`corpus_arrays`), which the training pipeline memory-maps: decoding records costs ~60 us a sentence, too slow to
+feed an accelerator. A corpus is identified by a hash of (language spec, sizes, seed), so two runs
 with the same language share one copy, and a half-written build is never visible (tfds writes into
 `incomplete.*` and renames at the end). A dataset is built under the lock of its folder (`building`): a second
 process that needs the same dataset waits for the first (one line on stderr) and then finds it built; leftovers
@@ -99,9 +101,12 @@ class FlatlmCorpus(tfds.core.GeneratorBasedBuilder):
         lang, latents = self.language, self._latent_names()
         T, V = lang.max_length, lang.vocab_size
         empty = np.zeros((0, V), np.float32)
+        arrays = [] if not with_conditionals else None  # the train split's tokens and lengths, for corpus_arrays
         for start in range(0, n, CHUNK):
             size = min(CHUNK, n - start)
             corpus = lang.sample(size, seed=seed * 1_000_003 + start // CHUNK)
+            if arrays is not None:
+                arrays.append((corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32)))
             q = np.asarray(lang.conditionals(corpus.tokens, corpus.lengths), np.float32) if with_conditionals else None
             for i in range(size):
                 ex = {"tokens": corpus.tokens[i].astype(np.int32), "length": np.int32(corpus.lengths[i]),
@@ -110,6 +115,8 @@ class FlatlmCorpus(tfds.core.GeneratorBasedBuilder):
                     ex[f"latent_{name}"] = np.asarray(corpus.latents[name][i], np.int32)
                 assert ex["tokens"].shape == (T,)
                 yield start + i, ex
+        if arrays is not None and arrays:
+            self.generated_train = tuple(np.concatenate(a) for a in zip(*arrays))
 
 
 @contextlib.contextmanager
@@ -166,6 +173,9 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
             check_space(builder, data_dir)
         with tfds_output(quiet):
             builder.download_and_prepare()
+        if getattr(builder, "generated_train", None) is not None:  # written under the lock, after the records
+            save_arrays(builder.data_dir, "train", *builder.generated_train)
+            del builder.generated_train
     return builder
 
 
@@ -199,3 +209,43 @@ def _quiet_logs(quiet: bool) -> Iterator[None]:
 def data_sources(builder: FlatlmCorpus) -> dict:
     """Random-access sources per split (ArrayRecordDataSource)."""
     return builder.as_data_source()
+
+
+def _array_paths(data_dir, split: str) -> tuple[Path, Path]:
+    return Path(data_dir, f"{split}-tokens.npy"), Path(data_dir, f"{split}-lengths.npy")
+
+
+def save_arrays(data_dir, split: str, tokens_NT: np.ndarray, lengths_N: np.ndarray) -> None:
+    """Write a split's tokens (in the smallest unsigned dtype that holds its ids) and lengths beside its records,
+    each atomically (a temporary file renamed): a reader sees both files whole or falls back to the records."""
+    top = int(tokens_NT.max(initial=0))
+    dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int32
+    for path, a in zip(_array_paths(data_dir, split), (tokens_NT.astype(dtype), lengths_N.astype(np.int32))):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, a)
+        os.replace(tmp, path)
+
+
+def corpus_arrays(source, quiet: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [N, T], lengths [N]) of a tfds split source, memory-mapped from the arrays the builder saved (in
+    generation order: the corpus, in another order than the records' index). A corpus built before the arrays
+    existed, or any other source, is read record by record once (in index order) and, for a tfds source, saved."""
+    where = getattr(source, "dataset_info", None)
+    paths_ = _array_paths(where.data_dir, source.split) if where is not None else None
+    if paths_ is not None and all(p.exists() for p in paths_):
+        tokens_NT, lengths_N = (np.load(p, mmap_mode="r") for p in paths_)
+        if len(lengths_N) == len(source) == len(tokens_NT):
+            return tokens_NT, lengths_N
+    from tqdm.auto import tqdm  # reason: only this slow path shows progress
+
+    n, parts = len(source), []
+    for start in tqdm(range(0, n, 4096), desc="reading the corpus into arrays (once)", disable=quiet or n < 10**5):
+        idx = list(range(start, min(start + 4096, n)))
+        items = source.__getitems__(idx) if hasattr(source, "__getitems__") else [source[i] for i in idx]
+        parts.append((np.stack([it["tokens"] for it in items]), np.array([it["length"] for it in items])))
+    tokens_NT, lengths_N = (np.concatenate(a) for a in zip(*parts))
+    if paths_ is not None:
+        save_arrays(where.data_dir, source.split, tokens_NT, lengths_N)
+    return tokens_NT, lengths_N
+

@@ -3,7 +3,10 @@
 `train_iterator` returns a grain DatasetIterator whose position is saved with the model
 (`grain.checkpoint.CheckpointSave`), so a resumed run sees exactly the batches it would have seen.
 Two sources: a tfds corpus (shuffled per epoch) or an on-the-fly stream from the sampler, deterministic in
-(seed, step, row), for corpora too large to store. Either way the global batch of a step does not depend on the
+(seed, step, row), for corpora too large to store. Both build a whole batch per grain element with vectorised
+numpy (gather from the corpus's memory-mapped arrays, `builder.corpus_arrays`; masks from `RowHash`), never a
+Python call per sentence: `benchmarks/startup_pipeline.py` holds the rate against an accelerator's step.
+Either way the global batch of a step does not depend on the
 number of processes: each process reads its contiguous share of the rows (`local_rows`), and N processes train
 exactly like one.
 """
@@ -15,20 +18,44 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
-from flatlm.data.masking import mask_batch
+from flatlm.data.builder import corpus_arrays
+from flatlm.data.masking import RowHash, mask_batch
 
 STREAM_BLOCK = 8  # rows sampled (and masked) together by the stream source, seeded by (seed, step, block)
 
 
-class _MaskRow(grain.transforms.RandomMap):
-    """One sentence -> its MLM example; grain seeds the rng by the sentence's index in the global stream."""
+class _CorpusRows(grain.transforms.Map):
+    """Step i -> rows [lo, hi) of global batch i of the corpus stream, gathered and masked in one go.
 
-    def __init__(self, num_words: int, masking: str, mask_prob: float, max_predictions: int):
-        self.kw = dict(num_words=num_words, masking=masking, mask_prob=mask_prob, max_predictions=max_predictions)
+    The stream is the corpus shuffled anew each epoch (epoch e: permutation of rng (seed, e)), concatenated; batch
+    i is stream positions [i B, (i + 1) B), so batches run across epoch ends and every sentence is seen once per
+    epoch. A sentence's mask is drawn by `RowHash(seed, stream position)`: the global batch is the same for any
+    number of processes."""
 
-    def random_map(self, ex: dict, rng: np.random.Generator) -> dict:
-        out = mask_batch(np.asarray(ex["tokens"])[None], np.asarray(ex["length"]).reshape(1), rng=rng, **self.kw)
-        return {k: v[0] for k, v in out.items()}
+    def __init__(self, tokens_NT, lengths_N, batch_size: int, lo: int, hi: int, seed: int, mask_kw: dict):
+        self.tokens_NT, self.lengths_N = tokens_NT, lengths_N
+        self.batch_size, self.lo, self.hi, self.seed, self.mask_kw = batch_size, lo, hi, seed, mask_kw
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2 + self.batch_size // len(self.lengths_N):  # the epochs one batch spans
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths_N))
+        return self._perms[epoch]
+
+    def map(self, index: int) -> dict:
+        pos_B = int(index) * self.batch_size + np.arange(self.lo, self.hi, dtype=np.int64)
+        epoch_B, offset_B = np.divmod(pos_B, len(self.lengths_N))
+        rows_B = np.empty_like(pos_B)
+        for epoch in np.unique(epoch_B):
+            at = epoch_B == epoch
+            rows_B[at] = self._perm(int(epoch))[offset_B[at]]
+        order = np.argsort(rows_B)  # gather from the memory map in file order
+        tokens_BT = np.empty((len(rows_B), self.tokens_NT.shape[1]), np.int32)
+        lengths_B = np.empty(len(rows_B), np.int32)
+        tokens_BT[order], lengths_B[order] = self.tokens_NT[rows_B[order]], self.lengths_N[rows_B[order]]
+        return mask_batch(tokens_BT, lengths_B, rng=RowHash(self.seed, pos_B), **self.mask_kw)
 
 
 class _SampleRows(grain.transforms.Map):
@@ -54,10 +81,6 @@ class _SampleRows(grain.transforms.Map):
         return {k: np.concatenate([p[k] for p in parts])[rows] for k in parts[0]}
 
 
-def _select(ex: dict) -> dict:
-    return {"tokens": ex["tokens"], "length": ex["length"]}
-
-
 def local_rows(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
     """[lo, hi): the rows of every global batch that process `process_index` reads (contiguous, equal shares)."""
     local = batch_size // process_count
@@ -69,20 +92,17 @@ def train_dataset(data_config, num_words: int, seed: int, source=None, language=
     """Infinite MapDataset of this process's rows of the global masked batches.
 
     Global batch i is the same for any number of processes (its rows depend on the seed, i and the row only);
-    process p reads only its rows `local_rows(...)` of it. tfds: the corpus is shuffled per epoch into one stream
-    of sentences, each masked with an rng seeded by its position in that stream; batch i is stream rows
-    [i * B, (i + 1) * B). Stream: see `_SampleRows`."""
-    local = data_config.batch_size // process_count
+    process p reads only its rows `local_rows(...)` of it. tfds: see `_CorpusRows`; stream: see `_SampleRows`."""
     mask_kw = dict(num_words=num_words, masking=data_config.masking, mask_prob=data_config.mask_prob,
                    max_predictions=data_config.max_predictions)
     if data_config.source == "stream":
         lo, hi = local_rows(data_config.batch_size, process_index, process_count)
         return grain.MapDataset.range(0, 2**62).map(
             _SampleRows(language, data_config.batch_size, lo, hi, seed, mask_kw))
-    ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat().map(_select)  # a new order each epoch
-    ds = ds.seed(seed + 1).random_map(_MaskRow(**mask_kw))
-    # chunk c of `local` rows is rows [(c mod P) * local, ...) of global batch c // P: take every P-th chunk
-    return ds.batch(local, drop_remainder=True)[process_index::process_count]
+    tokens_NT, lengths_N = corpus_arrays(source)
+    lo, hi = local_rows(data_config.batch_size, process_index, process_count)
+    return grain.MapDataset.range(0, 2**62).map(
+        _CorpusRows(tokens_NT, lengths_N, data_config.batch_size, lo, hi, seed, mask_kw))
 
 
 def train_iterator(data_config, num_words: int, seed: int, **kw) -> grain.DatasetIterator:

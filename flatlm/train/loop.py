@@ -33,7 +33,7 @@ from flatlm import locks, paths, sharding
 from flatlm import run as run_lib
 from flatlm import train as train_lib
 from flatlm.data import pipeline
-from flatlm.errors import UserError
+from flatlm.errors import NonFiniteLoss, Preempted, UserError
 from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
 from flatlm.run import Run, build_run, check_workdir, initialize_distributed
@@ -42,17 +42,6 @@ from flatlm.train import flat_objectives, optim, rank, stacking
 from flatlm.train.step import mlm_objective, train_step
 
 log = logging.getLogger("flatlm")
-
-
-class NonFiniteLoss(RuntimeError):
-    """Training produced a NaN/inf; the last good checkpoint is left as it was."""
-
-
-class Preempted(RuntimeError):
-    """Training stopped on SIGTERM (e.g. a preempted VM) after saving a checkpoint: the run is NOT finished.
-
-    The CLI exits with 143 (128 + SIGTERM); rerunning the same command resumes from the saved step.
-    """
 
 
 def validate(config, num_devices: int | None = None) -> None:
