@@ -4,7 +4,9 @@
 
 Start-up: `flatlm train --config configs/pcfg_mlm.py:tiny` for one step, in a fresh workdir whose corpus is
 already built (`data.data_dir` shared with a first, untimed run): seconds from launching the command to its first
-step's metrics row (the row's wall-clock `time`), and to the command's exit; median of `--runs`. Also the import
+step's metrics row (the row's wall-clock `time`), and to the command's exit; median of `--runs`; with JAX's
+persistent compilation cache off (cold) and filled by the first run (warm: the CLI's default, `run.
+enable_compilation_cache`). Also the import
 of the CLI and the train verb alone. Goal: first step < 5 s on a quiet machine.
 
 Pipeline: the grain iterator `flatlm.data.pipeline.train_iterator` alone (shuffle, mask, batch; no model) at the
@@ -33,12 +35,14 @@ FLATLM = [sys.executable, "-m", "flatlm.cli"]
 STEP_TOKENS_PER_S = 595_000  # H100, L12-H768 bf16, batch 4096 (benchmarks/RESULTS.md, 2026-11-23)
 
 
-def first_step_s(workdir: str, data_dir: str) -> tuple[float, float]:
-    """(launch -> first metrics row, launch -> exit) seconds of one `flatlm train` tiny, one step."""
+def first_step_s(workdir: str, data_dir: str, cache: str) -> tuple[float, float]:
+    """(launch -> first metrics row, launch -> exit) seconds of one `flatlm train` tiny, one step, with the
+    compilation cache folder `cache` ("off": none)."""
     cmd = FLATLM + ["train", "--config", "configs/pcfg_mlm.py:tiny", "--workdir", workdir, "--quiet",
                     "--config.train.steps=1", f"--config.data.data_dir={data_dir}"]
     t0 = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "FLATLM_COMPILATION_CACHE": cache})
     end = time.time()
     rows = [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines()]
     return min(r["time"] for r in rows if r["step"] == 1) - t0, end - t0
@@ -54,14 +58,18 @@ def import_s() -> float:
 
 
 def startup(runs: int) -> dict:
-    """Median start-up figures over `runs` fresh workdirs sharing one built corpus."""
+    """Median start-up figures over `runs` fresh workdirs sharing one built corpus: without the compilation
+    cache (cold: every compile) and with it (warm: the cache filled by an earlier run, the default CLI case)."""
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = os.path.join(tmp, "data")
-        first_step_s(os.path.join(tmp, "build"), data_dir)  # builds the corpus: not timed
-        t = np.array([first_step_s(os.path.join(tmp, f"run{i}"), data_dir) for i in range(runs)])
-    imports = [import_s() for _ in range(runs)]
-    return dict(first_step_s=float(np.median(t[:, 0])), exit_s=float(np.median(t[:, 1])),
-                first_step_all=t[:, 0].tolist(), import_s=float(np.median(imports)))
+        data_dir, cache = os.path.join(tmp, "data"), os.path.join(tmp, "jax-cache")
+        first_step_s(os.path.join(tmp, "build"), data_dir, cache)  # builds the corpus, fills the cache: not timed
+        for name, c in (("cold", "off"), ("warm", cache)):
+            t = np.array([first_step_s(os.path.join(tmp, f"{name}{i}"), data_dir, c) for i in range(runs)])
+            out[name] = dict(first_step_s=float(np.median(t[:, 0])), exit_s=float(np.median(t[:, 1])),
+                             first_step_all=t[:, 0].tolist())
+    out["import_s"] = float(np.median([import_s() for _ in range(runs)]))
+    return out
 
 
 def pipeline_rate(batch: int, batches: int) -> dict:
@@ -100,10 +108,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"machine: {load_line()}", flush=True)
     s = startup(args.runs)
-    print(f"flatlm train tiny, 1 step, corpus built: first step {s['first_step_s']:.1f} s after launch (median of "
-          f"{args.runs}: {', '.join(f'{x:.1f}' for x in s['first_step_all'])}), exit {s['exit_s']:.1f} s; "
-          f"imports {s['import_s']:.1f} s; goal first step < 5 s: {'met' if s['first_step_s'] < 5 else 'MISSED'}",
-          flush=True)
+    for name in ("cold", "warm"):
+        r = s[name]
+        each = ", ".join(f"{x:.1f}" for x in r["first_step_all"])
+        print(f"flatlm train tiny, 1 step, corpus built, compilation cache {name}: first step "
+              f"{r['first_step_s']:.1f} s after launch (median of {args.runs}: {each}), exit {r['exit_s']:.1f} s; "
+              f"goal first step < 5 s: {'met' if r['first_step_s'] < 5 else 'MISSED'}")
+    print(f"imports of the CLI and the train verb: {s['import_s']:.1f} s", flush=True)
     p = pipeline_rate(args.batch, args.batches)
     for source, r in p.items():
         x = r["tokens_per_s"] / STEP_TOKENS_PER_S

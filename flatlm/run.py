@@ -150,6 +150,22 @@ def initialize_distributed(config=None) -> None:
                         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
 
 
+def enable_compilation_cache(env: dict | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache for the command line (a second `flatlm train` of the same
+    shapes skips XLA's compile: tiny's whole command 8 s -> 4 s on 2 cores). Folder: $FLATLM_COMPILATION_CACHE,
+    else JAX's own $JAX_COMPILATION_CACHE_DIR, else ~/.cache/flatlm/jax ($XDG_CACHE_HOME honoured); "off"
+    turns it off. Every compile is kept (JAX's 1 s floor would skip a small model's). Returns the folder."""
+    env = os.environ if env is None else env
+    folder = env.get("FLATLM_COMPILATION_CACHE") or env.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "flatlm", "jax")
+    if folder.lower() in ("off", "0", "none", "false"):
+        return None
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
+
+
 def check_workdir(workdir: str) -> None:
     """UserError unless `workdir` is a folder or does not exist yet (local or gs://, whose client must be
     installed: `flatlm.paths.check_backend`)."""

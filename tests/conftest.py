@@ -12,6 +12,7 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("FLATLM_COMPILATION_CACHE", "off")  # tests compile from scratch: no cache shared between runs
 
 REPO = Path(__file__).resolve().parents[1]
 

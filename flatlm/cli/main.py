@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         if extra and not args.overrides:
             raise UserError(f"unrecognised argument {extra[0]!r} (see `flatlm {args.verb} --help`)")
         args.overrides = extra
-        from flatlm.run import initialize_distributed  # reason: JAX's import, after the cheap argument checks
+        from flatlm.run import enable_compilation_cache, initialize_distributed  # reason: JAX's import, after the
+        # cheap argument checks
 
+        enable_compilation_cache()
         initialize_distributed()  # a process of a multi-host launch (JAX_COORDINATOR_ADDRESS, ...): join it first
         return args.func(args)
     except UserError as e:
