@@ -1,5 +1,8 @@
 """Where the reproduction suite's time goes: wall time of each experiment of `flatlm reproduce` and each claim's
-share, read from a finished (or partly finished) suite's `timings.json`, so speed work is aimed where it pays.
+share, read from a finished (or partly finished) suite's `timings.json`, and within the experiments the phases
+(training, exact loss while training, exact loss / probe features + probe / fine-tuning / lookup table after it,
+Tr(H) and spectra), read from each run's DONE marker, metrics.jsonl (`time/exact_loss_s`) and the `seconds` of
+its results.json entries, so speed work is aimed where it pays. Goal (issue 17): the cpu suite < 60 min.
 
     .venv/bin/python benchmarks/reproduce_suite.py [--workdir runs/reproduce-cpu]
 
@@ -10,13 +13,40 @@ Running the suite itself is `make reproduce` (tens of minutes); this script only
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import load_line  # noqa: E402
 
 from flatlm import reproduce  # noqa: E402
+from flatlm import results as results_lib  # noqa: E402
+
+PHASES = ("training", "exact loss (training)", "exact_loss", "probe", "finetune", "lookup_table", "flatness",
+          "spectrum", "other")
+
+
+def phase_times(exp_dir: Path) -> Counter:
+    """Seconds per phase summed over an experiment's finished runs (runs without a DONE marker are skipped)."""
+    total = Counter()
+    for run in sorted(exp_dir.glob("runs/*")):
+        done = run / "DONE"
+        if not done.exists():
+            continue
+        seconds = json.loads(done.read_text() or "{}").get("seconds", 0.0)
+        metrics = run / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        during = sum(r.get("time/exact_loss_s", 0.0) for r in rows)
+        after = Counter()
+        for e in results_lib.load(str(run)):
+            if "seconds" in e:
+                after[e["kind"] if e["kind"] in PHASES else "other"] += e["seconds"]
+        total["exact loss (training)"] += during
+        total["training"] += max(seconds - during - sum(after.values()), 0.0)
+        total.update(after)
+    return total
 
 
 def main() -> int:
@@ -35,6 +65,18 @@ def main() -> int:
                 print(f"  {cid} {key:32s} {timings[key] / 60:7.1f} min  {100 * timings[key] / total:5.1f}%")
             else:
                 print(f"  {cid} {key:32s}  not measured")
+    phases = Counter()
+    for d in sorted(Path(args.workdir).glob("*")):
+        if d.is_dir():
+            phases.update(phase_times(d))
+    measured = sum(phases.values())
+    if measured:
+        print(f"phases over the finished runs ({measured / 60:.1f} min; runs made before flatlm recorded phase "
+              "times count as training):")
+        for name, sec in phases.most_common():
+            print(f"  {name:24s} {sec / 60:7.1f} min  {100 * sec / measured:5.1f}%")
+    print(f"goal: the cpu suite < 60 min: {'met' if 0 < total < 3600 else 'MISSED' if total else 'not measured'}"
+          f" ({total / 60:.1f} min)")
     return 0
 
 

@@ -33,6 +33,7 @@ def test_two_evaluate_calls_keep_both_sets_of_results(trained):
     kinds = sorted({(e["kind"], e["step"]) for e in out["entries"]}, key=str)
     assert ("exact_loss", 10) in kinds and ("probe", 10) in kinds and ("finetune", 10) in kinds
     assert ("lookup_table", None) in kinds
+    assert all(e["seconds"] > 0 for e in out["entries"])  # each measurement's own time (reproduce_suite.py)
     n1 = len(results.load(str(trained)))
     second = run_cli("evaluate", "--workdir", str(trained), "--steps", "last", "--quiet", "--no-lookup",
                      "--no-finetune")

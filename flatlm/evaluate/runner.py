@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -74,9 +75,13 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     cache = feature_cache_dir(workdir)
     entries: list[dict] = []
 
-    def add(entry):
-        entries.append(entry)
-        results_lib.append(workdir, [entry])
+    clock = [time.perf_counter()]
+
+    def add(entry):  # stamped with the seconds its measurement took (benchmarks/reproduce_suite.py adds them up)
+        now = time.perf_counter()
+        entries.append({**entry, "seconds": now - clock[0]})
+        results_lib.append(workdir, [entries[-1]])
+        clock[0] = time.perf_counter()
 
     if do_lookup and probe:
         for t in names:
@@ -85,6 +90,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
             add({"kind": "lookup_table", "step": None, "task": t, **headline(out), "detail": out})
     for step, params in run.checkpoint_params(tqdm(chosen, desc="checkpoints", disable=not progress,
                                                    file=sys.stderr)):
+        clock[0] = time.perf_counter()  # restoring the checkpoint is not the first measurement's time
         if exact:
             add({"kind": "exact_loss", "step": step, **run_exact_loss(run, params)})
         for t in names:

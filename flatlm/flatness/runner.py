@@ -12,6 +12,7 @@ compare. With `gap=True` each entry is instead the Hessian / Fisher / empirical-
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 from tqdm.auto import tqdm
@@ -54,7 +55,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             if grow_to is not None:
                 embed = grow_lstm.embed_lstm if lstm else grow.embed
                 params = embed(params, run.model.cfg, model.cfg)
-            key = jax.random.key(seed + step)
+            key, t0 = jax.random.key(seed + step), time.perf_counter()
             if gap:
                 entries.append({"kind": "flatness_gap", "step": step,
                                 **compare.gap_report(model.apply, params, batches, key, **kw)})
@@ -62,14 +63,16 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 est = compare.measure(method, model.apply, params, batches, key, **kw)
                 entries.append({"kind": "flatness", "step": step, "method": method, "grown_to": grow_to,
                                 "settings": settings, "trace": est.mean, "trace_stderr": est.stderr,
-                                "detail": est.to_dict()})
+                                "detail": est.to_dict(), "seconds": time.perf_counter() - t0})
             if spectrum_k or density_probes:
+                t0 = time.perf_counter()
                 spec = dict(spectrum_k=spectrum_k, density_probes=density_probes, density_iters=density_iters,
                             seed=seed, num_batches=num_batches, batch_size=batch_size)
                 entries.append({"kind": "spectrum", "step": step, "grown_to": grow_to, "settings": spec,
                                 **compare.spectrum_report(model.apply, params, batches, jax.random.fold_in(key, 1),
                                                           k=spectrum_k, density_probes=density_probes,
-                                                          density_iters=density_iters)})
+                                                          density_iters=density_iters),
+                                "seconds": time.perf_counter() - t0})
             if append and not gap:
                 results_lib.append(run.workdir, [e for e in entries if e["step"] == step])
         return entries

@@ -333,9 +333,10 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if step % c.train.eval_every == 0 or last:
                 flush(pending)
                 pending = None
+                t_eval = time.perf_counter()
                 last_eval = {f"eval/{k}": v for k, v in run_exact_loss(run_s, state["params"]).items()
                              if not isinstance(v, str)}  # scalars only; "average" is named by the config
-                writer.write(step, last_eval)
+                writer.write(step, {**last_eval, "time/exact_loss_s": time.perf_counter() - t_eval})
                 convergence.update(step, last_eval["eval/kl"])  # in every process: all must pin the same steps
                 postfix.update(exact_loss=f"{last_eval['eval/loss']:.4f} nats", kl=f"{last_eval['eval/kl']:.2e} nats")
                 bar.set_postfix(postfix)
