@@ -91,3 +91,24 @@ def test_correlated_scb_keeps_one_factor():
     same_p = correlated_scb(scb, seed=7, keep="transition", mix=1.0)
     np.testing.assert_array_equal(same_p.transition, scb.transition)
     np.testing.assert_allclose(same_p.patterns, fresh.patterns, atol=1e-15)
+
+
+def test_transfer_from_the_same_patterns_needs_fewer_samples_and_the_cli_refuses_bad_input():
+    import dataclasses
+
+    from flatlm.cli.main import main
+    from flatlm.theory.scb_transfer import PRESETS, run_transfer
+
+    cfg = dataclasses.replace(PRESETS["tiny"], seeds=(0,))
+    rows = {(r["method"], r["start"]): r for r in run_transfer(cfg)}
+    assert sorted(rows) == [("prox", "finetuned"), ("prox", "scratch"), ("sgd", "finetuned"), ("sgd", "scratch")]
+    scb = random_scb(0, cfg.num_words, cfg.context_length, cfg.sparsity, cfg.concentration)
+    uniform = tla.distance(la.distance_to_truth(la.uniform_params(cfg.num_words, cfg.context_length), scb))
+    for method in ("sgd", "prox"):
+        scratch, tuned = rows[(method, "scratch")], rows[(method, "finetuned")]
+        assert scratch["start_distance"] == pytest.approx(uniform, rel=1e-5)
+        assert scratch["final_distance"] <= cfg.target and tuned["final_distance"] <= cfg.target
+        # the source shares Q, so the pre-trained start is far closer and the target takes several times fewer samples
+        assert tuned["start_distance"] < 0.6 * scratch["start_distance"]
+        assert 3 * tuned["samples_to_target"] < scratch["samples_to_target"]
+    assert main(["theory", "scb", "--mix", "2"]) == 2
