@@ -99,7 +99,7 @@ def test_transfer_from_the_same_patterns_needs_fewer_samples_and_the_cli_refuses
     from flatlm.cli.main import main
     from flatlm.theory.scb_transfer import PRESETS, run_transfer
 
-    cfg = dataclasses.replace(PRESETS["tiny"], seeds=(0,))
+    cfg = dataclasses.replace(PRESETS["tiny"], seeds=(0,), methods=("sgd", "prox"), stop_at_target=True)
     rows = {(r["method"], r["start"]): r for r in run_transfer(cfg)}
     assert sorted(rows) == [("prox", "finetuned"), ("prox", "scratch"), ("sgd", "finetuned"), ("sgd", "scratch")]
     scb = random_scb(0, cfg.num_words, cfg.context_length, cfg.sparsity, cfg.concentration)

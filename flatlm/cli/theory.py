@@ -96,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 SCB_COLUMNS = [("seed", "seed", "d"), ("method", "method", ""), ("start", "start", ""),
                ("samples_to_target", "samples to target", "d"), ("start_distance", "start dist", ".3f"),
-               ("final_distance", "final dist", ".3f"), ("final_dist_V", "|V-P|", ".3f"),
-               ("final_dist_A", "|A-Q^T|", ".3f"), ("source_distance", "source dist (pre-trained)", ".3f")]
+               ("min_distance", "min dist", ".3f"), ("final_distance", "end dist", ".3f"),
+               ("final_dist_V", "|V-P|", ".3f"), ("final_dist_A", "|A-Q^T|", ".3f"),
+               ("source_distance", "source dist (pre-trained)", ".3f")]
 
 
 def _add_scb(sub) -> None:
@@ -108,6 +109,7 @@ def _add_scb(sub) -> None:
     d.add_argument("--seeds", type=int, nargs="+", help="override the preset's seeds")
     d.add_argument("--target", type=float, help="override the preset's target distance")
     d.add_argument("--lam", type=float, help="override the l1 weight of the proximal step on A")
+    d.add_argument("--prox-samples", type=int, help="override when prox+sgd switches to plain SGD (sentences)")
     d.add_argument("--keep", choices=["patterns", "transition"],
                    help="what the source SCB shares with the target (default patterns: the same Q)")
     d.add_argument("--mix", type=float, help="weight of the fresh draw in the source's other factor (default 0.5)")
@@ -117,7 +119,7 @@ def _add_scb(sub) -> None:
 
 def _run_scb(args: argparse.Namespace) -> int:
     fields = {"seeds": tuple(args.seeds) if args.seeds else None, "target": args.target, "lam": args.lam,
-              "keep": args.keep, "mix": args.mix}
+              "prox_samples": args.prox_samples, "keep": args.keep, "mix": args.mix}
     try:
         given = {k: v for k, v in fields.items() if v is not None}
         cfg = dataclasses.replace(scb_transfer.PRESETS[args.preset], **given)
@@ -131,8 +133,9 @@ def _run_scb(args: argparse.Namespace) -> int:
         print_json({"config": dataclasses.asdict(cfg), "rows": rows, "summary": scb_transfer.summary(rows)})
         return 0
     print(f"SCB N={cfg.num_words} T={cfg.context_length} sparsity={cfg.sparsity}; source keeps the {cfg.keep} "
-          f"(mix {cfg.mix}); target distance {cfg.target}, budget {cfg.max_samples:,} samples; fine-tuned arms "
-          f"pre-trained on the source for {cfg.pretrain_samples:,} samples (not counted)")
+          f"(mix {cfg.mix}); target distance {cfg.target}, budget {cfg.max_samples:,} samples per arm; lam {cfg.lam}, "
+          f"prox+sgd switches after {cfg.prox_samples:,}; fine-tuned arms pre-trained on the source for "
+          f"{cfg.pretrain_samples:,} samples (not counted)")
     print_table(rows, SCB_COLUMNS)
     print()
     print_table(scb_transfer.summary(rows), [("method", "method", ""), ("start", "start", ""),

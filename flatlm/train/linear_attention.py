@@ -29,13 +29,15 @@ METHODS = ("sgd", "prox")
 
 @dataclasses.dataclass(frozen=True)
 class LinearTrainConfig:
-    """method "sgd" | "prox"; lr of SGD; lam the l1 weight of the proximal step on A; batch_size fresh sentences per
-    step; max_samples the budget; log_every steps between distance measurements; target the distance to stop at
-    (0: run the whole budget); seed of the sentences."""
+    """method "sgd" | "prox"; lr of SGD; lam the l1 weight of the proximal step on A; prox_samples > 0: "prox" only
+    for the first that many sentences, plain SGD after (the l1 bias gone once the support is found); batch_size
+    fresh sentences per step; max_samples the budget; log_every steps between distance measurements; target the
+    distance to stop at (0: run the whole budget); seed of the sentences."""
 
     method: str = "sgd"
     lr: float = 1.0
     lam: float = 1e-3
+    prox_samples: int = 0
     batch_size: int = 64
     max_samples: int = 200_000
     log_every: int = 25
@@ -89,6 +91,9 @@ def train(scb, params, cfg: LinearTrainConfig) -> tuple[dict, list[dict]]:
     rows = [_row(0, float("nan"), params, scb)]
     chunk = cfg.log_every * cfg.batch_size
     for i in range(-(-cfg.max_samples // chunk)):
+        if cfg.method == "prox" and 0 < cfg.prox_samples <= i * chunk and i * chunk < cfg.prox_samples + chunk:
+            opt = optimizer(dataclasses.replace(cfg, method="sgd"))  # the proximal phase is over
+            opt_state = opt.init(params)
         tokens = scb.sample(chunk, seed=cfg.seed * 1_000_003 + i).tokens
         params, opt_state, loss = _chunk(opt, params, opt_state,
                                          tokens.reshape(cfg.log_every, cfg.batch_size, -1))
