@@ -63,7 +63,8 @@ def test_tiny_scb_run_trains_against_the_exact_loss(tmp_path):
     from flatlm.run import build_run
     from flatlm.train.loop import init_state, train_and_evaluate, train_setup
 
-    config = load_config(TINY)
+    config = apply_overrides(load_config(TINY), ["--config.train.steps=30", "--config.train.eval_every=30",
+                                                 "--config.checkpoint.every=30"])
     run = build_run(config, str(tmp_path), quiet=True)
     before = run_exact_loss(run, init_state(run, train_setup(run))["params"])
     batches = list(run.eval_batches())
