@@ -35,8 +35,9 @@ COLUMNS = [  # (key, header, format)
 
 
 def add_parser(subparsers) -> None:
-    """Register `theory` with its sub-verb `dyck`."""
-    p = subparsers.add_parser("theory", help="numerical checks of the paper's theory (Section 6: Dyck)")
+    """Register `theory` with its sub-verbs `dyck` and `scb`."""
+    p = subparsers.add_parser("theory", help="numerical checks of the paper's theory (Section 6: Dyck) and issue 19's "
+                              "sparse contextual bigram")
     sub = p.add_subparsers(dest="theory_verb", metavar="{dyck,scb}", required=True)
     _add_scb(sub)
     d = sub.add_parser("dyck", help="Theorem 6.1: the flattest zero-loss transformer transfers; random features don't",
@@ -105,7 +106,7 @@ def _add_scb(sub) -> None:
     d = sub.add_parser("scb", help="issue 19: SCB linear transformer, scratch vs fine-tuned, SGD vs l1-proximal",
                        description=scb_transfer.__doc__.split("\n\n")[0])
     d.add_argument("--preset", default="tiny", choices=list(scb_transfer.PRESETS),
-                   help="tiny (N=8, T=6, 3 seeds, seconds) or cpu (N=10, T=20, 5 seeds, about a minute)")
+                   help="tiny (N=8, T=6, 3 seeds, ~20 s) or cpu (N=10, T=20, 5 seeds, ~1.5 min on 2 CPU cores)")
     d.add_argument("--seeds", type=int, nargs="+", help="override the preset's seeds")
     d.add_argument("--target", type=float, help="override the preset's target distance")
     d.add_argument("--lam", type=float, help="override the l1 weight of the proximal step on A")

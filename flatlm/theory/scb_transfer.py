@@ -4,7 +4,9 @@ distance to the ground truth, from scratch vs fine-tuned from a correlated SCB, 
 For each seed: the target SCB is `random_scb(seed, ...)`; the source is `correlated_scb(target, seed + 1000, keep,
 mix)` (keep "patterns": the same attention patterns Q, the transition P mixed with a fresh one; keep "transition": the
 same P, Q mixed). "scratch" trains on the target from the uniform start (V = 1/N, A = 1/T); "finetuned" first trains
-on the source from the uniform start for `pretrain_samples` sentences (same method), then on the target from there.
+on the source from the uniform start for `pretrain_samples` sentences (same method), then on the target from there
+(prox+sgd: a proximal phase of `prox_samples` at the start of both). Scratch and fine-tuned arms of a seed see the same
+target sentences.
 Every arm is online (fresh sentences each step, `flatlm.train.linear_attention.train`) and runs its whole budget
 `max_samples`; the count is the first logged one within `target` of the distance sqrt(||cV - P||^2 + ||A/c - Q^T||^2)
 (None: not reached), and the distance at the end of the budget is reported too: the l1 step's bias can take a run
@@ -49,7 +51,7 @@ class TransferConfig:
 PRESETS = {
     # seconds of CPU: N = 8 words, T = 6 (2 of 6 positions: barely sparse; lam 1e-2 biases A too much there), 3 seeds
     "tiny": TransferConfig(lam=1e-3, prox_samples=50_000),
-    # about a minute of CPU: N = 10 words, T = 20 (a sparser pattern: 2 of 20 positions), 5 seeds
+    # ~1.5 minutes on 2 CPU cores: N = 10 words, T = 20 (a sparser pattern: 2 of 20 positions), 5 seeds
     "cpu": TransferConfig(num_words=10, context_length=20, target=0.5, max_samples=1_000_000,
                           pretrain_samples=500_000, log_every=20, seeds=(0, 1, 2, 3, 4)),
 }
@@ -97,7 +99,8 @@ def run_transfer(cfg: TransferConfig, progress=None) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (method, start): the median samples to target over the seeds that reached it, and how many did."""
+    """Per (method, start): the median samples to target over the seeds that reached it (the upper one of an even
+    count), and how many did."""
     out = []
     for key in dict.fromkeys((r["method"], r["start"]) for r in rows):
         group = [r for r in rows if (r["method"], r["start"]) == key]
