@@ -40,7 +40,7 @@ from flatlm.errors import UserError
 from flatlm.models import stacking
 
 # the paper's tasks (A.1): HMM task-6 and task-10 (1-based: 0-based positions 5 and 9), PCFG A, B, C
-DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C"), "opt": ("qnli", "sst2")}
+DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C"), "opt": ("qnli", "sst2"), "scb": ("position",)}
 
 
 def validate(config, num_devices: int | None = None) -> None:

@@ -15,6 +15,7 @@ NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_s
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
+RUN_CONFIGS += [f"{REPO}/configs/scb_mlm.py:{p}" for p in ("tiny", "cpu")]
 EXPERIMENTS = [f"{REPO}/configs/experiments/{name}.py:{arg}" for name in NAMES
                for arg in ("tiny", "cpu", "paper", "tiny,hmm", "cpu,pcfg", "paper,pcfg")]
 

@@ -1,5 +1,6 @@
 """`flatlm theory dyck`: the numerical check of Theorem 6.1 (Section 6) as a table, a JSON object and a PNG of
-the training run. All the work is in `flatlm.theory.dyck.run_check`; the plot in `flatlm.theory.plot`."""
+the training run. All the work is in `flatlm.theory.dyck.run_check`; the plot in `flatlm.theory.plot`.
+`flatlm theory scb`: issue 19's transfer experiment on the sparse contextual bigram (`flatlm.theory.scb_transfer`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tqdm.auto import tqdm
 from flatlm.cli.common import add_output_flags
 from flatlm.errors import UserError
 from flatlm.table import json_ready, print_json, print_table
-from flatlm.theory import dyck, dyck_noise, dyck_search
+from flatlm.theory import dyck, dyck_noise, dyck_search, scb_transfer
 from flatlm.theory.plot import plot_search, plot_training
 
 PLOT_NAME = "dyck_training.png"
@@ -34,9 +35,11 @@ COLUMNS = [  # (key, header, format)
 
 
 def add_parser(subparsers) -> None:
-    """Register `theory` with its sub-verb `dyck`."""
-    p = subparsers.add_parser("theory", help="numerical checks of the paper's theory (Section 6: Dyck)")
-    sub = p.add_subparsers(dest="theory_verb", metavar="{dyck}", required=True)
+    """Register `theory` with its sub-verbs `dyck` and `scb`."""
+    p = subparsers.add_parser("theory", help="numerical checks of the paper's theory (Section 6: Dyck) and issue 19's "
+                              "sparse contextual bigram")
+    sub = p.add_subparsers(dest="theory_verb", metavar="{dyck,scb}", required=True)
+    _add_scb(sub)
     d = sub.add_parser("dyck", help="Theorem 6.1: the flattest zero-loss transformer transfers; random features don't",
                        description="Both constructed zero-loss solutions (transferable +-1_T neurons; random "
                        "features), their exact Tr(H) and downstream loss, and SGD runs with and without a Tr(H) "
@@ -84,9 +87,61 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `flatlm theory <verb>`; returns the exit code."""
-    if getattr(args, "theory_verb", None) != "dyck":
-        raise UserError("unknown theory check; use `flatlm theory dyck`")
+    verb = getattr(args, "theory_verb", None)
+    if verb == "scb":
+        return _run_scb(args)
+    if verb != "dyck":
+        raise UserError("unknown theory check; use `flatlm theory dyck` or `flatlm theory scb`")
     return _run_dyck(args)
+
+
+SCB_COLUMNS = [("seed", "seed", "d"), ("method", "method", ""), ("start", "start", ""),
+               ("samples_to_target", "samples to target", "d"), ("start_distance", "start dist", ".3f"),
+               ("min_distance", "min dist", ".3f"), ("final_distance", "end dist", ".3f"),
+               ("final_dist_V", "|V-P|", ".3f"), ("final_dist_A", "|A-Q^T|", ".3f"),
+               ("source_distance", "source dist (pre-trained)", ".3f")]
+
+
+def _add_scb(sub) -> None:
+    d = sub.add_parser("scb", help="issue 19: SCB linear transformer, scratch vs fine-tuned, SGD vs l1-proximal",
+                       description=scb_transfer.__doc__.split("\n\n")[0])
+    d.add_argument("--preset", default="tiny", choices=list(scb_transfer.PRESETS),
+                   help="tiny (N=8, T=6, 3 seeds, ~20 s) or cpu (N=10, T=20, 5 seeds, ~1.5 min on 2 CPU cores)")
+    d.add_argument("--seeds", type=int, nargs="+", help="override the preset's seeds")
+    d.add_argument("--target", type=float, help="override the preset's target distance")
+    d.add_argument("--lam", type=float, help="override the l1 weight of the proximal step on A")
+    d.add_argument("--prox-samples", type=int, help="override when prox+sgd switches to plain SGD (sentences)")
+    d.add_argument("--keep", choices=["patterns", "transition"],
+                   help="what the source SCB shares with the target (default patterns: the same Q)")
+    d.add_argument("--mix", type=float, help="weight of the fresh draw in the source's other factor (default 0.5)")
+    add_output_flags(d, quiet=False)
+    d.set_defaults(func=run, overrides=False)
+
+
+def _run_scb(args: argparse.Namespace) -> int:
+    fields = {"seeds": tuple(args.seeds) if args.seeds else None, "target": args.target, "lam": args.lam,
+              "prox_samples": args.prox_samples, "keep": args.keep, "mix": args.mix}
+    try:
+        given = {k: v for k, v in fields.items() if v is not None}
+        cfg = dataclasses.replace(scb_transfer.PRESETS[args.preset], **given)
+        scb_transfer.check_config(cfg)
+    except ValueError as e:
+        raise UserError(f"flatlm theory scb: {e}") from None
+    arms = len(cfg.seeds) * len(cfg.methods) * 2
+    with tqdm(total=arms, desc="theory scb", unit="arm", file=sys.stderr, disable=args.json) as bar:
+        rows = scb_transfer.run_transfer(cfg, progress=bar.update)
+    if args.json:
+        print_json({"config": dataclasses.asdict(cfg), "rows": rows, "summary": scb_transfer.summary(rows)})
+        return 0
+    print(f"SCB N={cfg.num_words} T={cfg.context_length} sparsity={cfg.sparsity}; source keeps the {cfg.keep} "
+          f"(mix {cfg.mix}); target distance {cfg.target}, budget {cfg.max_samples:,} samples per arm; lam {cfg.lam}, "
+          f"prox+sgd switches after {cfg.prox_samples:,}; fine-tuned arms pre-trained on the source for "
+          f"{cfg.pretrain_samples:,} samples (not counted)")
+    print_table(rows, SCB_COLUMNS)
+    print()
+    print_table(scb_transfer.summary(rows), [("method", "method", ""), ("start", "start", ""),
+                                             ("reached", "reached", ""), ("median_samples", "median samples", "d")])
+    return 0
 
 
 def _run_dyck(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ Task names per language:
         variable, 0-based position 5); "k<i>" — the hidden state at 0-based position i (so task-6 == k5).
         Definition "sampled" (the state that generated the sentence, default) or "posterior" (argmax P(z_i | x)).
   PCFG: "A", "B", "C" — released definition (default), "posterior" or "paper"; see `flatlm.languages.pcfg`.
+  SCB:  "position" — the context position s (0-based, T classes) the last word was drawn from (latents["position"]):
+        which earlier position the last word "attended".
   OPT:  "sst2", "qnli" — GLUE from local TSV files re-tokenised into the K words (`flatlm.data.glue`; the
         paper's Figures 1b, 2c, 5b); splits train and validation (GLUE's test split has no labels).
 """
@@ -58,6 +60,9 @@ def check_task(language, name: str, task: str) -> None:
     elif name == "pcfg":
         if task not in ("A", "B", "C"):
             raise UserError(f"PCFG task {task!r} is unknown; use A, B or C")
+    elif name == "scb":
+        if task != "position":
+            raise UserError(f"SCB task {task!r} is unknown; use position (the attended context position)")
     elif name == "opt":
         if task not in glue.TASKS:
             raise UserError(f"OPT task {task!r} is unknown; use one of {', '.join(glue.TASKS)} (GLUE, local files)")
@@ -66,10 +71,12 @@ def check_task(language, name: str, task: str) -> None:
 
 
 def num_classes(language, name: str, task: str, definition: str = "") -> int:
-    """Number of labels of a task: HMM states, the PCFG nonterminals the task ranges over (by definition), or the
-    GLUE task's classes."""
+    """Number of labels of a task: HMM states, the PCFG nonterminals the task ranges over (by definition), the
+    GLUE task's classes, or the SCB's T context positions."""
     if name == "hmm":
         return language.num_states
+    if name == "scb":
+        return language.context_length
     if name == "opt":
         return len(glue.TASKS[task].label_classes)
     return language.num_labels(task, definition or default_definition(name))
@@ -83,6 +90,9 @@ def sample_task(language, name: str, task: str, n: int, seed: int, definition: s
         corpus = language.sample(n, seed)
         labels = language.task_labels(corpus.tokens, corpus.lengths, hmm_position(task), definition=definition,
                                       states=corpus.latents.get("states"))
+    elif name == "scb":
+        corpus = language.sample(n, seed)
+        labels = corpus.latents["position"]
     else:
         corpus, labels = language.sample_task(n, seed, task, definition=definition)
         T = language.max_length

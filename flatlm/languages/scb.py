@@ -128,3 +128,17 @@ def random_scb(seed: int, num_words: int = 8, context_length: int = 10, sparsity
         pos = rng.choice(context_length, size=sparsity, replace=False)
         Q[k, pos] = rng.dirichlet(np.ones(sparsity))
     return SCB(P, Q)
+
+
+def correlated_scb(scb: SCB, seed: int, keep: str = "patterns", mix: float = 0.5, concentration: float = 1.0) -> SCB:
+    """A source SCB correlated with `scb` (issue 19's transfer setting): one factor kept, the other
+    (1 - mix) * own + mix * a fresh random draw of `random_scb`'s kind (the same sparsity for patterns, so the mixed
+    patterns are supported on at most twice as many positions). keep "patterns": same Q, perturbed P; "transition":
+    same P, perturbed Q. mix = 0 gives `scb` itself, mix = 1 an independent draw of the perturbed factor."""
+    if keep not in ("patterns", "transition") or not 0 <= mix <= 1:
+        raise ValueError(f"keep must be patterns or transition and mix in [0, 1], got {keep!r}, {mix}")
+    sparsity = int((scb.patterns[0] > 0).sum())
+    fresh = random_scb(seed, scb.vocab_size, scb.context_length, sparsity, concentration)
+    if keep == "patterns":
+        return SCB((1 - mix) * scb.transition + mix * fresh.transition, scb.patterns, scb.mu)
+    return SCB(scb.transition, (1 - mix) * scb.patterns + mix * fresh.patterns, scb.mu)
