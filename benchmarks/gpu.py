@@ -220,12 +220,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write all results here as JSON")
     p.add_argument("--small", action="store_true", help="tiny sizes: check the script on a CPU")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="MLM sequence length (default 32)")
+    p.add_argument("--num-words", type=int, default=NUM_WORDS, help="MLM vocabulary (default 200)")
     p.add_argument("--hf-modes", default="eager,compile", help="HF variants to time (the faster is kept)")
     p.add_argument("--batches", default=None, help="MLM batches, comma-separated (default 512,4096; --small: 8)")
     p.add_argument("--hf-batch", type=int, default=None, help="HF peer batch (default: the last of --batches)")
     p.add_argument("--no-f32", action="store_true", help="skip the float32 step")
     p.add_argument("--conditionals", default="pcfg,hmm", help="which conditionals rows (pcfg,hmm; '' for none)")
     args = p.parse_args(argv)
+    global NUM_WORDS, SEQ_LEN  # noqa: PLW0603 - the shape every section uses
+    NUM_WORDS, SEQ_LEN = args.num_words, args.seq_len
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__}
     if dev.platform == "cpu" and not args.small:

@@ -72,6 +72,6 @@ def test_tiny_scb_run_trains_against_the_exact_loss(tmp_path):
     entropy = -np.sum(np.where(q > 0, q * np.log(np.where(q > 0, q, 1)), 0)) / (q.shape[0] * q.shape[1])
     after = {k.removeprefix("eval/"): v for k, v in train_and_evaluate(config, str(tmp_path), progress=False).items()}
     assert before["entropy"] == pytest.approx(entropy, abs=1e-6) and after["entropy"] == before["entropy"]
-    assert after["kl"] < before["kl"], (before, after)  # 30 steps of a tiny model: it learns, by how much is not claimed
+    assert after["kl"] < before["kl"], (before, after)  # 30 steps of a tiny model: it learns (no margin claimed)
     assert after["loss"] == pytest.approx(after["entropy"] + after["kl"], abs=1e-9)
     assert run.task_names() == ("position",) and run.num_classes("position") == config.language.context_length
