@@ -227,7 +227,8 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     for i, key in enumerate(ests):
         rows = [(r.name, e["detail"]["per_group"], e["detail"].get("per_group_stderr") or {})
                 for r in runs for e in [r.flatness(key).get(max(r.flatness(key), default=None))]
-                if e and len((e.get("detail") or {}).get("per_group") or {}) > 1][:6]
+                if e and len((e.get("detail") or {}).get("per_group") or {}) > 1]
+        rows = _block_rows_over_seeds(rows, runs)[:8]
         if rows:
             name = _plot_name("trace_per_block", i)
             plots.save(plots.per_group_bars(rows, estimator_label(key)), out_dir / f"{name}.png")
@@ -337,3 +338,21 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
 def _plot_name(stem: str, i: int) -> str:
     """The file stem of the i-th estimator's plot: `stem` for the first (the name earlier reports used)."""
     return stem if i == 0 else f"{stem}_{i + 1}"
+
+
+def _block_rows_over_seeds(rows: list[tuple[str, dict, dict]], runs) -> list[tuple[str, dict, dict]]:
+    """Per-block rows (run, per_group, per_group_stderr) -> one row per method of `<name>-seed<k>` runs: the mean
+    over its seeds, with the std over seeds as the error bar (one seed: its own rows, unchanged)."""
+    by_run = {name: (pg, se) for name, pg, se in rows}
+    out = []
+    for method, members in plots.seed_groups(runs).items():
+        have = [by_run[r.name] for r in members if r.name in by_run]
+        if len(have) < 2:
+            out += [(r.name, *by_run[r.name]) for r in members if r.name in by_run]
+            continue
+        blocks = list(have[0][0])
+        vals = np.array([[pg.get(b, np.nan) for b in blocks] for pg, _ in have])
+        out.append((f"{method} (mean of {len(have)} seeds)", dict(zip(blocks, np.nanmean(vals, 0).tolist())),
+                    dict(zip(blocks, np.nanstd(vals, 0, ddof=1).tolist()))))
+    return out
+

@@ -163,7 +163,7 @@ def per_group_bars(rows: list[tuple[str, dict, dict]], ylabel: str) -> Figure:
         ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=name)
     ax.set_xticks(x, groups, rotation=45, ha="right", fontsize=8)
     ax.axhline(0.0, color="k", lw=0.5)
-    ax.set(ylabel=ylabel, title="per-block traces (last checkpoint; ± standard error)")
+    ax.set(ylabel=ylabel, title="per-block traces (last checkpoint; ± standard error, or std over seeds for a mean)")
     ax.legend(fontsize=7)
     return fig
 

@@ -3,9 +3,10 @@ label-noise training vs an explicit Tr(H) penalty (`train.flat`, flatlm.train.fl
 reproduction suite's pre-training seeds, then the exact loss, probes and Tr(H) of every checkpoint. Compare runs
 only inside the "same loss" band (flatlm.claims; `flatlm report` prints the exact loss and KL of every run).
 
-Presets: `tiny` (smoke test), `cpu` (the HMM cpu language and BiLSTM of the suite; the method settings below are
-the literature's defaults, NOT yet measured for staying in the band at this scale: run it and check the report's
-KL column before reading the accuracies), `paper` (the PCFG transformer of Figure 3).
+Presets: `tiny` (smoke test), `cpu` (the HMM cpu language and BiLSTM of the suite, 6 minutes on 2 cores; the
+method settings below are the literature's defaults. Measured once, docs/experiments/flatness_seeking-cpu: every run
+in the same-loss band; SAM lowers Tr(F) by 42 % and the penalty by 81 %, and the probe accuracy does not move
+(-0.7 [-1.9, +0.5] and -0.9 [-5.4, +3.6] pp vs AdamW)), `paper` (the PCFG transformer of Figure 3).
 """
 
 from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
