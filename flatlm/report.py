@@ -147,6 +147,15 @@ def _pm(mean, std, scale=100.0, digits=1) -> str:
     return "-" if mean is None else f"{scale * mean:.{digits}f} ± {scale * (std or 0):.{digits}f}"
 
 
+MAJORITY_MARK = " †"  # accuracy at or below the majority-class rate (+ 0.5 pp): the head predicts ~one class
+
+
+def _acc_cell(e: dict) -> str:
+    """A probe / fine-tuning entry's `mean ± std` (%), marked when it is no better than predicting one class."""
+    low = "majority" in e and e["accuracy"] <= e["majority"] + 0.005
+    return _pm(e["accuracy"], e["accuracy_std"]) + (MAJORITY_MARK if low else "")
+
+
 def make_report(dirs: list[str], out: str | None = None) -> Path:
     """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report)."""
     runs = find_runs(dirs)
@@ -264,11 +273,11 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         probe_cells = []
         for t in tasks:
             p = r.probe(t)
-            probe_cells.append(_pm(p[max(p)]["accuracy"], p[max(p)]["accuracy_std"]) if p else "-")
+            probe_cells.append(_acc_cell(p[max(p)]) if p else "-")
         ft_cells = []
         for t in tasks:
             f = {e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t}
-            ft_cells.append(_pm(f[max(f)]["accuracy"], f[max(f)]["accuracy_std"]) if f else "-")
+            ft_cells.append(_acc_cell(f[max(f)]) if f else "-")
         tr = [f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
               for fl in (r.flatness(k) for k in ests)]
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
@@ -285,6 +294,9 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]
+    if any(MAJORITY_MARK in c for row in rows for c in row):
+        md.append(f"\n{MAJORITY_MARK.strip()} at or below the majority-class rate of its split (within 0.5 pp): the "
+                  "head predicts (almost) one class, so this accuracy carries no signal about the encoder.")
     seed_rows = seed_table(runs, tasks)
     if seed_rows:
         head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import REPO, run_cli
 
 from flatlm import results
 from flatlm.cli.common import parse_steps
 from flatlm.errors import UserError
+from flatlm.run import load_run
 
 TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
 SMALL_EVAL = ["--config.eval.tasks=['k3']", "--config.eval.task_train_size=600", "--config.eval.task_eval_size=200",
@@ -34,6 +36,10 @@ def test_two_evaluate_calls_keep_both_sets_of_results(trained):
     assert ("exact_loss", 10) in kinds and ("probe", 10) in kinds and ("finetune", 10) in kinds
     assert ("lookup_table", None) in kinds
     assert all(e["seconds"] > 0 for e in out["entries"])  # each measurement's own time (reproduce_suite.py)
+    task = load_run(str(trained)).load_task("k3")  # the majority-class rate of each headline split, by hand
+    for e in (e for e in out["entries"] if e["kind"] != "exact_loss"):
+        labels = np.asarray(task[e["split"]]["label"])
+        assert e["majority"] == pytest.approx(np.bincount(labels).max() / len(labels))
     n1 = len(results.load(str(trained)))
     second = run_cli("evaluate", "--workdir", str(trained), "--steps", "last", "--quiet", "--no-lookup",
                      "--no-finetune")

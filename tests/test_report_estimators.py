@@ -111,3 +111,23 @@ def test_spectrum_panel():
     np.testing.assert_allclose(np.asarray(bars.lines[0].get_ydata(), float), [9.0, 4.0])
     half = [seg[1, 1] - seg[0, 1] for seg in bars.lines[2][0].get_segments()]
     np.testing.assert_allclose(half, [0.02, 1.0])
+
+
+def test_accuracies_at_the_majority_rate_are_marked(tmp_path):
+    """A head no better than predicting the majority class (within 0.5 pp) is marked and explained; one above it
+    is not (`headline` records the rate of each probe / fine-tuning split)."""
+    dirs = []
+    for name, acc in (("flat", 0.488), ("learns", 0.60)):
+        wd = tmp_path / name
+        wd.mkdir()
+        (wd / "config.json").write_text("{}")
+        results.append(str(wd), [{"kind": "finetune", "step": 10, "task": "A", "accuracy": acc,
+                                  "accuracy_std": 0.0, "majority": 0.489},
+                                 {"kind": "probe", "step": 10, "task": "A", "accuracy": acc, "accuracy_std": 0.0}])
+        dirs.append(str(wd))
+    md = report.make_report(dirs, str(tmp_path / "out")).read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| flat")
+            or line.startswith("| learns")}
+    assert "48.8 ± 0.0 †" in rows["flat"] and "60.0 ± 0.0 †" not in rows["learns"]
+    assert rows["flat"].count("†") == 1  # the probe entry has no recorded rate: never marked
+    assert "at or below the majority-class rate" in md

@@ -14,6 +14,7 @@ import time
 
 import flax.linen as nn
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from flatlm import locks, paths
@@ -33,11 +34,16 @@ def run_exact_loss(run: Run, params, limit: int | None = None) -> dict:
                           pad_to=bs, average=run.config.eval.get("loss_average", "token"))
 
 
-def headline(out: dict) -> dict:
-    """The headline accuracy of a probe / fine-tuning result: test split if present, else validation, else train."""
+def headline(out: dict, labels: dict | None = None) -> dict:
+    """The headline accuracy of a probe / fine-tuning result: test split if present, else validation, else train;
+    with `labels` ({split: int labels}) also that split's majority-class rate, the accuracy of predicting one
+    class (a head at or below it has learned nothing: `flatlm report` marks it)."""
     acc = out["accuracy"]
     split = next(s for s in ("test", "validation", "val", "train") if s in acc)
-    return {"split": split, "accuracy": acc[split]["mean"], "accuracy_std": acc[split]["std"]}
+    head = {"split": split, "accuracy": acc[split]["mean"], "accuracy_std": acc[split]["std"]}
+    if labels is not None and split in labels and len(labels[split]):
+        head["majority"] = float(np.bincount(np.asarray(labels[split])).max() / len(labels[split]))
+    return head
 
 
 def feature_cache_dir(workdir: str) -> str:
@@ -87,7 +93,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
         for t in names:
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
                                    cache_dir=cache, num_classes=classes[t], progress=progress)
-            add({"kind": "lookup_table", "step": None, "task": t, **headline(out), "detail": out})
+            add({"kind": "lookup_table", "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
     for step, params in run.checkpoint_params(tqdm(chosen, desc="checkpoints", disable=not progress,
                                                    file=sys.stderr)):
         clock[0] = time.perf_counter()  # restoring the checkpoint is not the first measurement's time
@@ -97,12 +103,12 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
             if probe:
                 out = probe_checkpoint(run.apply_fn, params, split(t, "tokens"), split(t, "label"), probe_cfg,
                                        step=step, cache_dir=cache, num_classes=classes[t], progress=progress)
-                add({"kind": "probe", "step": step, "task": t, **headline(out), "detail": out})
+                add({"kind": "probe", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
             if do_ft:
                 out = finetune(run.apply_fn, params, split(t, "tokens"), split(t, "label"),
                                FinetuneConfig(**c.eval.finetune, seed=c.seed), num_classes=classes[t],
                                num_words=run.num_words, max_len=run.language.max_length + 1, progress=progress)
-                add({"kind": "finetune", "step": step, "task": t, **headline(out), "detail": out})
+                add({"kind": "finetune", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
     return entries
 
 
