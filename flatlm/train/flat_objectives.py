@@ -130,8 +130,6 @@ def fisher_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
     over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish)."""
     tokens, weights = batch["tokens"], batch["weights"]
     k_y, k_eps = jax.random.split(key)
-    logits = jax.lax.stop_gradient(apply_fn({"params": params}, tokens)).astype(jnp.float32)
-    y = jax.random.categorical(k_y, logits, axis=-1)
     n = jnp.maximum(weights.sum(), 1.0)
 
     def one(k):
@@ -139,6 +137,9 @@ def fisher_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
 
         def signed_score(p):
             logp = jax.nn.log_softmax(apply_fn({"params": p}, tokens).astype(jnp.float32), axis=-1)
+            # y ~ the model itself, drawn from this forward pass's own logits (no second forward; the key is
+            # shared by the probes, so every probe scores the same draw)
+            y = jax.random.categorical(k_y, jax.lax.stop_gradient(logp), axis=-1)
             return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
         g = jax.grad(signed_score)(params)
