@@ -151,3 +151,18 @@ def test_corpus_arrays_hold_the_train_split_and_are_rebuilt_from_the_records(tmp
     assert tok_path.exists()
     np.save(tok_path, np.asarray(again)[:10])  # a stale or truncated file: read from the records again
     assert len(builder.corpus_arrays(src)[0]) == 300
+
+
+def test_a_full_disk_while_saving_the_arrays_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    """Out of space while writing the corpus arrays: DiskFull (one line), no array file and no temporary left."""
+    import errno
+
+    from flatlm.errors import DiskFull
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(DiskFull, match="out of disk space writing .*train-tokens.npy"):
+        builder.save_arrays(tmp_path, "train", np.zeros((3, 4), np.int32), np.full(3, 4))
+    assert list(tmp_path.iterdir()) == []

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from flatlm import locks, paths
-from flatlm.errors import UserError
+from flatlm.errors import UserError, disk_full_is_one_line
 from flatlm.languages import make_language
 
 CHUNK = 1024  # sentences sampled (and conditioned) at a time while writing
@@ -222,9 +222,14 @@ def save_arrays(data_dir, split: str, tokens_NT: np.ndarray, lengths_N: np.ndarr
     dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int32
     for path, a in zip(_array_paths(data_dir, split), (tokens_NT.astype(dtype), lengths_N.astype(np.int32))):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, a)
-        os.replace(tmp, path)
+        try:
+            with disk_full_is_one_line(f"out of disk space writing {path}; free space in {data_dir} (the corpus "
+                                       "itself is complete: rerunning writes these arrays again)"):
+                with open(tmp, "wb") as f:
+                    np.save(f, a)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def corpus_arrays(source, quiet: bool = True) -> tuple[np.ndarray, np.ndarray]:
