@@ -263,7 +263,12 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         if old == new:
             return
         flat_old, flat_new = _flat(old), _flat(new)
-        diff = [k for k in sorted(set(flat_new) | set(flat_old)) if flat_new.get(k) != flat_old.get(k)]
+        # a field the stored config lacks (written by a flatlm before the field existed) at its default is no change
+        defaults = _flat(json.loads(base_config().to_json_best_effort()))
+        diff = [k for k in sorted(set(flat_new) | set(flat_old)) if flat_new.get(k) != flat_old.get(k)
+                and not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+        if not diff:
+            return
         extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
         if not extending or check_extension is None:
             raise UserError(

@@ -78,3 +78,19 @@ def test_workdir_refuses_a_different_config(tmp_path):
     with pytest.raises(UserError, match="different config.*train.lr"):
         save_workdir_config(config, str(tmp_path))
     assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] != 0.5
+
+
+def test_a_run_stored_before_a_field_existed_resumes_with_its_default(tmp_path):
+    """config.json written by an older flatlm (no `train.stacking` section) matches today's config when the new
+    field is at its default, and still refuses it at another value."""
+    from flatlm.config import save_workdir_config
+
+    save_workdir_config(load_config(TINY), str(tmp_path))
+    stored = json.loads((tmp_path / "config.json").read_text())
+    del stored["train"]["stacking"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    save_workdir_config(load_config(TINY), str(tmp_path))  # the default: the same run
+    changed = load_config(TINY)
+    changed.train.stacking.rule = "top"
+    with pytest.raises(UserError, match="train.stacking.rule"):
+        save_workdir_config(changed, str(tmp_path))
