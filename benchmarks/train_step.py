@@ -14,7 +14,8 @@ work (layer norms, GELU, softmax, dropout masks, residuals, loss) and copies.
 
 Hugging Face has no pre-LN BERT: the comparison is HF's post-LN BERT of the same width, depth and MLP size,
 at its best: the fused tanh GELU (`gelu_pytorch_tanh`; `gelu_new` is the same maths in several ops), SDPA
-attention, torch's own OpenMP wait policy (not forced passive), as many threads as XLA uses, and eager or
+attention, as many threads as XLA uses, OpenMP threads that sleep when idle (PASSIVE unless OMP_WAIT_POLICY is
+set: torch's busy-waiting default slows whichever case runs next and did not make HF faster), and eager or
 torch.compile, whichever is faster per shape (`--hf-modes`). Both sides are timed with dropout 0.1 and with
 dropout off, and each JAX/HF ratio divides equal work (median, with its min-max over the paired rounds), by wall
 time and by CPU-seconds. Issue 17's goals (>= 1.5x at L4-H128, >= 2x at L6-H256, >= 50 % of the matmul peak by
@@ -375,8 +376,10 @@ def main(argv=None) -> int:
                     help="XLA compiler option for the JAX step, e.g. xla_cpu_experimental_ynn_fusion_type=")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = ap.parse_args(argv)
-    # HF runs at its best: torch's own OpenMP wait policy (busy-waiting threads, faster on a quiet machine) unless
-    # the caller sets OMP_WAIT_POLICY; a loaded machine is what the printed load average is for.
+    # torch's OpenMP threads sleep when idle (PASSIVE) unless the caller sets OMP_WAIT_POLICY: with torch's default
+    # (busy-waiting) its threads keep spinning into the next case of the round-robin and slowed the JAX step by
+    # ~50 % (L6-H256: 1714 vs 1124 ms), while HF itself ran no faster (1768 vs 1772 ms; benchmarks/RESULTS.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
 
     t_start = time.perf_counter()
     hf_note = ("--no-hf" if args.no_hf else hf_available())
