@@ -230,6 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torch's own OpenMP wait policy (busy-waiting) is kept: it is the torch peers' best (with PASSIVE, Torch-Struct
+    # ran 1.51 instead of 1.86 sent/s and PyHessian 85 instead of 53 ms a probe), even though its spinning threads
+    # can slow the flatlm case that follows (which only understates flatlm; benchmarks/RESULTS.md)
     warnings.filterwarnings("ignore", message=".*arg_constraints.*")  # Torch-Struct's, on every call
     print(f"machine: {load_line()}; JAX {jax.__version__}", flush=True)
     which, res = args.only.split(","), {}
