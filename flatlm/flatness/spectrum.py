@@ -68,10 +68,10 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     return np.asarray(alphas), np.asarray(betas)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _lanczos_step(B_MN, v_N, w_N, i):
     """alpha = w.v, then w reorthogonalised against the basis, beta = |w|, the next vector w / beta and the basis
-    with it as row i (one dispatch per step)."""
+    with it as row i (one dispatch per step; the basis is donated, so the row is written in place, not copied)."""
     alpha = jnp.vdot(w_N, v_N)
     w_N, beta = _reorthogonalise(B_MN, w_N)
     v_next = w_N / jnp.where(beta > 0, beta, 1.0)
