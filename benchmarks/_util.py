@@ -78,6 +78,20 @@ def interleave(cases: dict[str, Callable[[], object]], rounds: int,
     return {name: np.asarray(v) for name, v in out.items()}
 
 
+def paired_ratio(num: np.ndarray, den: np.ndarray, col: int) -> tuple[float, float, float]:
+    """Median, min and max over paired `interleave` rounds of num/den (col 0: wall, 1: CPU-seconds)."""
+    r = num[:, col] / den[:, col]
+    return float(np.median(r)), float(r.min()), float(r.max())
+
+
+def optional_modules(*names: str) -> tuple[list | None, str | None]:
+    """(the modules, None), or (None, why not) when one does not import (the peers are an optional extra)."""
+    try:
+        return [__import__(n) for n in names], None
+    except ImportError as e:
+        return None, f"{e} (install the peers: make bench, or pip install -e '.[bench]' after torch==2.13.0)"
+
+
 def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
     """Achieved float32 GFLOP/s of a large jitted matmul: best and median of `repeats` (wall and per CPU-second)."""
     fn, flops = matmul_case(n)

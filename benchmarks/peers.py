@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _util import cpu_count, interleave, load_line
+from _util import cpu_count, interleave, load_line, optional_modules, paired_ratio
 
 from flatlm.flatness import hessian as hs
 from flatlm.flatness.estimates import param_groups
@@ -42,21 +42,6 @@ from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import dense_grammar
 from flatlm.models.bert import Bert, BertConfig
 from flatlm.models.losses import mlm_loss
-
-
-def _import(*names):
-    """The modules, or the reason they do not import (a peer is optional)."""
-    try:
-        return [__import__(n) for n in names], None
-    except ImportError as e:
-        return None, f"{e} (install the peers: make bench, or pip install -e '.[bench]' after torch==2.13.0)"
-
-
-def ratio_stats(num: np.ndarray, den: np.ndarray, col: int) -> tuple[float, float, float]:
-    """Median, min and max over paired rounds of num/den (col 0: wall, 1: CPU-seconds)."""
-    r = num[:, col] / den[:, col]
-    return float(np.median(r)), float(r.min()), float(r.max())
-
 
 # ------------------------------------------------------------------ PCFG vs Torch-Struct
 
@@ -81,7 +66,7 @@ def torch_struct_conditionals(g, tokens_BT: np.ndarray):
 
 def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
     """flatlm vs Torch-Struct on the dense grammar at batch `small`, and flatlm alone at batch `big`."""
-    mods, why = _import("torch", "torch_struct")
+    mods, why = optional_modules("torch", "torch_struct")
     if mods is None:
         return {"skipped": why}
     g = dense_grammar(0, max_length=T, batch_size=small)
@@ -97,8 +82,8 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
     s = interleave(cases, rounds)
     return dict(batch=small, big_batch=big, T=T, max_abs_diff=float(np.abs(ours - theirs).max()),
                 sent_per_s={k: (big if k == "flatlm_big" else small) / float(np.median(v[:, 0])) for k, v in s.items()},
-                speedup_wall=ratio_stats(s["torch_struct"], s["flatlm"], 0),
-                speedup_cpu=ratio_stats(s["torch_struct"], s["flatlm"], 1),
+                speedup_wall=paired_ratio(s["torch_struct"], s["flatlm"], 0),
+                speedup_cpu=paired_ratio(s["torch_struct"], s["flatlm"], 1),
                 speedup_big_wall=(float(np.median(s["torch_struct"][:, 0]) / small)
                                   / (float(np.median(s["flatlm_big"][:, 0])) / big)))
 
@@ -108,7 +93,7 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
 
 def hmm_pair(rounds: int, batch: int) -> dict:
     """flatlm state posteriors vs hmmlearn predict_proba on the same sentences; flatlm conditionals too."""
-    mods, why = _import("hmmlearn.hmm")
+    mods, why = optional_modules("hmmlearn.hmm")
     if mods is None:
         return {"skipped": why}
     from hmmlearn.hmm import CategoricalHMM  # reason: optional peer
@@ -132,9 +117,9 @@ def hmm_pair(rounds: int, batch: int) -> dict:
     s = interleave(cases, rounds)
     return dict(batch=batch, max_abs_diff=diff,
                 sent_per_s={k: batch / float(np.median(v[:, 0])) for k, v in s.items()},
-                speedup_wall=ratio_stats(s["hmmlearn"], s["flatlm"], 0),
-                speedup_cpu=ratio_stats(s["hmmlearn"], s["flatlm"], 1),
-                conditionals_vs_peer_posteriors_wall=ratio_stats(s["hmmlearn"], s["flatlm_conditionals"], 0))
+                speedup_wall=paired_ratio(s["hmmlearn"], s["flatlm"], 0),
+                speedup_cpu=paired_ratio(s["hmmlearn"], s["flatlm"], 1),
+                conditionals_vs_peer_posteriors_wall=paired_ratio(s["hmmlearn"], s["flatlm_conditionals"], 0))
 
 
 # ------------------------------------------------------------------ Hutchinson vs PyHessian
@@ -142,7 +127,7 @@ def hmm_pair(rounds: int, batch: int) -> dict:
 
 def hessian_pair(rounds: int, d: int, layers: int, batch: int, probes: int) -> dict:
     """Seconds per Hutchinson probe, and per probe / per gradient, of flatlm and PyHessian at one shape."""
-    mods, why = _import("torch", "transformers", "pyhessian")
+    mods, why = optional_modules("torch", "transformers", "pyhessian")
     if mods is None:
         return {"skipped": why}
     torch, transformers, pyhessian = mods
@@ -202,9 +187,9 @@ def hessian_pair(rounds: int, d: int, layers: int, batch: int, probes: int) -> d
     return dict(d_model=d, layers=layers, batch=batch, probes=probes,
                 flatlm_probe_s=float(per["flatlm_probes"][0] / probes),
                 pyhessian_probe_s=float(per["pyhessian_probes"][0] / probes),
-                flatlm_probe_per_grad_cpu=ratio_stats(s["flatlm_probes"] / probes, s["flatlm_grad"], 1),
-                pyhessian_probe_per_grad_cpu=ratio_stats(s["pyhessian_probes"] / probes, s["torch_grad"], 1),
-                probe_speedup_wall=ratio_stats(s["pyhessian_probes"], s["flatlm_probes"], 0))
+                flatlm_probe_per_grad_cpu=paired_ratio(s["flatlm_probes"] / probes, s["flatlm_grad"], 1),
+                pyhessian_probe_per_grad_cpu=paired_ratio(s["pyhessian_probes"] / probes, s["torch_grad"], 1),
+                probe_speedup_wall=paired_ratio(s["pyhessian_probes"], s["flatlm_probes"], 0))
 
 
 def _mlm(params, batch, apply_fn):

@@ -39,7 +39,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _util import cpu_count, interleave, load_line, matmul_case, matmul_peak, peak_rss_mb, time_once
+from _util import (
+    cpu_count,
+    interleave,
+    load_line,
+    matmul_case,
+    matmul_peak,
+    optional_modules,
+    paired_ratio,
+    peak_rss_mb,
+    time_once,
+)
 
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
@@ -190,12 +200,7 @@ def optimizer_replay(optimizer, params):
 
 def hf_available() -> str | None:
     """None if torch + transformers import, else why not."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return str(e)
-    return None
+    return optional_modules("torch", "transformers")[1]
 
 
 def _hf_model(cfg, dropout: bool):
@@ -286,8 +291,7 @@ def bench_shape(shape: str, args, peak_case) -> dict:
     for ours, theirs in (("jax", "hf"), ("jax_nodrop", "hf_nodrop")):  # equal work; rounds are paired
         if theirs in samples:
             for col, unit in ((0, "wall"), (1, "cpu")):
-                x = samples[theirs][:, col] / samples[ours][:, col]
-                r[f"{ours}_vs_hf_{unit}"] = (float(np.median(x)), float(x.min()), float(x.max()))
+                r[f"{ours}_vs_hf_{unit}"] = paired_ratio(samples[theirs], samples[ours], col)
     return r
 
 
@@ -384,8 +388,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     hf_note = ("--no-hf" if args.no_hf else hf_available())
     if hf_note and not args.no_hf:
-        hf_note = (f"torch/transformers not importable ({hf_note}); to enable: pip install torch==2.13.0 "
-                   "(CPU wheel), then pip install -e '.[hf]'")
+        hf_note = f"torch/transformers not importable: {hf_note}"
     print(f"machine: {load_line()}; JAX {jax.__version__} on {jax.devices()[0].platform} "
           f"({cpu_count()} XLA threads)")
     if hf_note is None:

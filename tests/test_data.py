@@ -144,7 +144,7 @@ def test_corpus_arrays_hold_the_train_split_and_are_rebuilt_from_the_records(tmp
     tokens, lengths = builder.corpus_arrays(src)
     records = sorted((bytes(src[i]["tokens"].astype(np.int32)), int(src[i]["length"])) for i in range(300))
     assert sorted((bytes(t.astype(np.int32)), int(n)) for t, n in zip(tokens, lengths)) == records
-    tok_path = tmp_path.rglob("train-tokens.npy").__next__()
+    tok_path = next(tmp_path.rglob("train-tokens.npy"))
     tok_path.unlink()
     again, lengths2 = builder.corpus_arrays(src)  # from the records, in index order, and saved
     assert [bytes(t.astype(np.int32)) for t in again] == [bytes(src[i]["tokens"].astype(np.int32)) for i in range(300)]

@@ -232,6 +232,11 @@ def save_arrays(data_dir, split: str, tokens_NT: np.ndarray, lengths_N: np.ndarr
             tmp.unlink(missing_ok=True)
 
 
+def read_items(source, idx: list[int]) -> list[dict]:
+    """Records `idx` of a split source, in one batched read where the source has one (`__getitems__`)."""
+    return source.__getitems__(idx) if hasattr(source, "__getitems__") else [source[i] for i in idx]
+
+
 def corpus_arrays(source, quiet: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [N, T], lengths [N]) of a tfds split source, memory-mapped from the arrays the builder saved (in
     generation order: the corpus, in another order than the records' index). A corpus built before the arrays
@@ -246,8 +251,7 @@ def corpus_arrays(source, quiet: bool = True) -> tuple[np.ndarray, np.ndarray]:
 
     n, parts = len(source), []
     for start in tqdm(range(0, n, 4096), desc="reading the corpus into arrays (once)", disable=quiet or n < 10**5):
-        idx = list(range(start, min(start + 4096, n)))
-        items = source.__getitems__(idx) if hasattr(source, "__getitems__") else [source[i] for i in idx]
+        items = read_items(source, list(range(start, min(start + 4096, n))))
         parts.append((np.stack([it["tokens"] for it in items]), np.array([it["length"] for it in items])))
     tokens_NT, lengths_N = (np.concatenate(a) for a in zip(*parts))
     if paths_ is not None:

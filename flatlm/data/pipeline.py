@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
-from flatlm.data.builder import corpus_arrays
+from flatlm.data.builder import corpus_arrays, read_items
 from flatlm.data.masking import RowHash, mask_batch
 
 STREAM_BLOCK = 8  # rows sampled (and masked) together by the stream source, seeded by (seed, step, block)
@@ -118,6 +118,5 @@ def eval_batches(source, batch_size: int, limit: int | None = None,
     """Validation examples in order, batched (the last batch may be short), this process's share only."""
     n = len(source) if limit is None else min(limit, len(source))
     for start in range(process_index * batch_size, n, batch_size * process_count):
-        idx = list(range(start, min(start + batch_size, n)))
-        items = source.__getitems__(idx) if hasattr(source, "__getitems__") else [source[i] for i in idx]
+        items = read_items(source, list(range(start, min(start + batch_size, n))))
         yield {k: np.stack([it[k] for it in items]) for k in items[0]}
