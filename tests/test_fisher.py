@@ -92,3 +92,26 @@ def test_split_positions():
     rows, cols = np.nonzero(w)
     for r, (src, t) in enumerate(zip(rows, cols)):
         assert out["weights"][r, t] == 1 and np.all(out["tokens"][r] == np.asarray(batch["tokens"])[src])
+
+
+def test_sample_labels_draws_the_softmax_distribution():
+    """The inverse-CDF sampler the Fisher estimators use: 200k draws from three rows (one with two words of zero
+    probability, one peaked) match softmax(logits) by a chi-square test, and -inf words never appear."""
+    from scipy import stats  # test-only dependency
+
+    from flatlm.models.losses import sample_labels
+
+    logits_RV = jnp.array([[0.3, -1.2, 2.0, 0.0, 0.5, -0.7],
+                           [1.0, -jnp.inf, 0.2, -jnp.inf, 3.0, 0.1],
+                           [7.0, 0.0, -3.0, 1.0, 0.0, -jnp.inf]], jnp.float32)
+    n = 200_000
+    y_NR = np.asarray(sample_labels(jax.random.key(0), jnp.broadcast_to(logits_RV, (n, *logits_RV.shape))))
+    p_RV = np.asarray(jax.nn.softmax(logits_RV.astype(jnp.float64) if jax.config.x64_enabled else logits_RV, -1))
+    for r in range(3):
+        counts = np.bincount(y_NR[:, r], minlength=6)
+        assert counts[p_RV[r] == 0].sum() == 0
+        live = p_RV[r] * n >= 5  # chi-square needs expected counts >= 5; the rest are checked to be rare
+        expected = p_RV[r, live] * n
+        chi2 = ((counts[live] - expected) ** 2 / expected).sum()
+        assert stats.chi2.sf(chi2, live.sum() - 1) > 1e-4, (r, counts, p_RV[r] * n)
+        assert counts[~live].sum() <= 20

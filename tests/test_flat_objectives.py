@@ -16,7 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 from flatlm.errors import UserError
 from flatlm.models import Bert, BertConfig
-from flatlm.models.losses import mlm_loss
+from flatlm.models.losses import mlm_loss, sample_labels
 from flatlm.train import flat_objectives as flat
 
 V, T, B = 7, 6, 8
@@ -78,7 +78,7 @@ def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
         if source == "uniform":
             drawn = jax.random.randint(k_draw, batch["targets"].shape, 0, V)
         else:
-            drawn = jax.random.categorical(k_draw, apply_fn({"params": params}, batch["tokens"]), axis=-1)
+            drawn = sample_labels(k_draw, apply_fn({"params": params}, batch["tokens"]))  # its law: test_fisher.py
         want = mlm_loss(params, {**batch, "targets": drawn}, apply_fn)
         loss, aux = obj(params, batch, apply_fn, None)
         assert float(loss) == pytest.approx(float(want), rel=1e-5) and float(aux["train/noisy_fraction"]) == 1.0

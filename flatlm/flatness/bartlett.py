@@ -34,6 +34,7 @@ from jax.flatten_util import ravel_pytree
 from flatlm.flatness.estimates import acc_dtype
 from flatlm.flatness.fisher import ApplyFn, exact_fisher_trace, fisher_surrogate_loss, fisher_trace
 from flatlm.flatness.hessian import hutchinson_trace
+from flatlm.models.losses import sample_labels
 from flatlm.run import load_run
 
 Batch = dict[str, Any]
@@ -60,7 +61,7 @@ def _loss_fn(apply_fn: ApplyFn, kind: str):
 def model_labels(apply_fn: ApplyFn, params, batch: Batch, key: jax.Array) -> Batch:
     """`batch` with every target replaced by a draw from the model's conditional at that position."""
     logits_BTV = apply_fn({"params": params}, jnp.asarray(batch["tokens"]), deterministic=True)
-    y_BT = jax.random.categorical(key, logits_BTV.astype(acc_dtype(logits_BTV)))
+    y_BT = sample_labels(key, logits_BTV)
     return {**batch, "targets": np.asarray(y_BT).astype(np.asarray(batch["targets"]).dtype)}
 
 
@@ -164,7 +165,7 @@ def teacher_sampler(apply_fn: ApplyFn, teacher_params, tokens_NT) -> Callable[[j
     def sample(key, B):
         k_idx, k_y = jax.random.split(key)
         idx = jax.random.randint(k_idx, (B,), 0, tokens_NT.shape[0])
-        y = jax.random.categorical(k_y, logits_NTV[idx].astype(acc_dtype(logits_NTV)))
+        y = sample_labels(k_y, logits_NTV[idx])
         return {"tokens": tokens_NT[idx], "targets": y, "weights": jnp.ones(y.shape, logits_NTV.dtype)}
 
     return sample

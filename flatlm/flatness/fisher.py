@@ -37,6 +37,7 @@ from flatlm.flatness.estimates import (
     param_groups,
     summarize,
 )
+from flatlm.models.losses import sample_labels
 
 ApplyFn = Callable[..., jax.Array]  # apply_fn({"params": params}, tokens, deterministic=True) -> logits[B, T, V]
 Batch = dict[str, Any]
@@ -216,7 +217,7 @@ def _per_sample_stats(params, tokens_BT, coef_BT, targets_BT, key, *, apply_fn, 
         rk = jax.random.fold_in(key, i)
 
         def draw(s):
-            y_T = target_T if labels == "true" else jax.random.categorical(jax.random.fold_in(rk, s), logits_TV)
+            y_T = target_T if labels == "true" else sample_labels(jax.random.fold_in(rk, s), logits_TV)
             (g,) = vjp_fn(_score_cotangent(logits_TV, coef_T, y_T))
             return group_dots(g, g, leaf_ids, G)
 
@@ -233,7 +234,7 @@ def _summed_stats(params, tokens_BT, coef_BT, key, *, apply_fn, num_draws, draw_
     logits_BTV, vjp_fn = jax.vjp(_logits_fn(apply_fn, tokens_BT), params)
 
     def draw(s):
-        y_BT = jax.random.categorical(jax.random.fold_in(key, s), logits_BTV)
+        y_BT = sample_labels(jax.random.fold_in(key, s), logits_BTV)
         (g,) = vjp_fn(_score_cotangent(logits_BTV, coef_BT, y_BT))
         return group_dots(g, g, leaf_ids, G)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from flatlm.config import check_choice
 from flatlm.errors import UserError
-from flatlm.models.losses import mlm_loss
+from flatlm.models.losses import mlm_loss, sample_labels
 
 METHODS = ("none", "sam", "label_noise", "trace_penalty")
 NOISE_SOURCES = ("model", "uniform")
@@ -98,7 +98,7 @@ def label_noise_objective(cfg: FlatConfig):
         targets = batch["targets"]
         if cfg.noise_source == "model":
             logits = jax.lax.stop_gradient(apply_fn({"params": params}, batch["tokens"]))
-            drawn = jax.random.categorical(k_draw, logits.astype(jnp.float32), axis=-1)
+            drawn = sample_labels(k_draw, logits)
         else:
             num_words = jax.eval_shape(apply_fn, {"params": params}, batch["tokens"][:1]).shape[-1]  # shape only
             drawn = jax.random.randint(k_draw, targets.shape, 0, num_words)
@@ -139,7 +139,7 @@ def fisher_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
             logp = jax.nn.log_softmax(apply_fn({"params": p}, tokens).astype(jnp.float32), axis=-1)
             # y ~ the model itself, drawn from this forward pass's own logits (no second forward; the key is
             # shared by the probes, so every probe scores the same draw)
-            y = jax.random.categorical(k_y, jax.lax.stop_gradient(logp), axis=-1)
+            y = sample_labels(k_y, jax.lax.stop_gradient(logp))
             return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
         g = jax.grad(signed_score)(params)
