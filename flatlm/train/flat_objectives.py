@@ -25,6 +25,7 @@ so a resumed run repeats it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,25 +128,49 @@ def hutchinson_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
 def fisher_penalty(params, batch, apply_fn, key, probes: int) -> jax.Array:
     """Unbiased estimate of the model Fisher trace of the batch's mean MLM loss, (1/n) sum_i E_y ||g_i(y)||^2 with
     g_i(y) = grad log p(y | x_i) over the n weighted positions: y drawn from the model (stop-gradient), then the mean
-    over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish)."""
+    over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish).
+    Its gradient is 2 H_s g / n (H_s the Hessian of the signed score, g its gradient), formed forward-over-reverse
+    (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (benchmarks/curvature.py)."""
     tokens, weights = batch["tokens"], batch["weights"]
     k_y, k_eps = jax.random.split(key)
     n = jnp.maximum(weights.sum(), 1.0)
 
     def one(k):
-        eps = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
-
-        def signed_score(p):
-            logp = jax.nn.log_softmax(apply_fn({"params": p}, tokens).astype(jnp.float32), axis=-1)
-            # y ~ the model itself, drawn from this forward pass's own logits (no second forward; the key is
-            # shared by the probes, so every probe scores the same draw)
-            y = sample_labels(k_y, jax.lax.stop_gradient(logp))
-            return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
-
-        g = jax.grad(signed_score)(params)
-        return sum(jnp.vdot(x, x) for x in jax.tree.leaves(g)) / n
+        eps_BT = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
+        return _score_norm(apply_fn, params, eps_BT, k_y, tokens) / n
 
     return jnp.mean(jax.vmap(one)(jax.random.split(k_eps, probes)))
+
+
+def _signed_score(params, apply_fn, eps_BT, key_y, tokens_BT) -> jax.Array:
+    """sum_i eps_i log p(y_i | x_i), y drawn from this forward pass's own (stop-gradient) logits: no second forward;
+    the key is shared by the probes, so every probe scores the same draw."""
+    logp_BTV = jax.nn.log_softmax(apply_fn({"params": params}, tokens_BT).astype(jnp.float32), axis=-1)
+    y_BT = sample_labels(key_y, jax.lax.stop_gradient(logp_BTV))
+    return jnp.sum(eps_BT * jnp.take_along_axis(logp_BTV, y_BT[..., None], axis=-1)[..., 0])
+
+
+def _squared_norm(tree) -> jax.Array:
+    return sum(jnp.vdot(x, x) for x in jax.tree.leaves(tree))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _score_norm(apply_fn, params, eps_BT, key_y, tokens_BT) -> jax.Array:
+    """||grad _signed_score||^2, differentiable in params only (eps, labels and tokens are data)."""
+    return _squared_norm(jax.grad(_signed_score)(params, apply_fn, eps_BT, key_y, tokens_BT))
+
+
+def _score_norm_fwd(apply_fn, params, eps_BT, key_y, tokens_BT):
+    """The value and H_s g in one linearisation: the gradient's primal pass once, then one tangent pass at g."""
+    g, tangent = jax.linearize(lambda p: jax.grad(_signed_score)(p, apply_fn, eps_BT, key_y, tokens_BT), params)
+    return _squared_norm(g), tangent(g)
+
+
+def _score_norm_bwd(apply_fn, hg, ct):
+    return jax.tree.map(lambda x: (2 * ct * x).astype(x.dtype), hg), None, None, None
+
+
+_score_norm.defvjp(_score_norm_fwd, _score_norm_bwd)
 
 
 def trace_penalty_objective(cfg: FlatConfig):
