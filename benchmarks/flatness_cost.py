@@ -11,8 +11,11 @@ BERT (pre-LN) at d_model 128 and 256, sequence length 32, V = 200 words, float32
                         8 contexts vmapped at a time, the default)
 Memory: XLA's compiled temp + output buffers of one Hutchinson batch minus those of a gradient, in parameter copies,
 at the benchmark batch and at batch 1 (where activations are negligible: the parameter-sized overhead alone).
-Timings: median over repeats of CPU-time ratios measured back to back (steadier than wall time under load).
-Usage: python benchmarks/flatness_cost.py [--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 7].
+Timings: each case alternates with its own reference gradient (`_util.interleave`, samples of >= 0.2 s, --repeats
+rounds); a row is the median over rounds of its CPU-seconds over the gradient's in the same round, [min] and [max]
+beside it. (Single back-to-back calls swung 1.0-1.45 between two runs; one round-robin over all cases ran the
+gradient at 13 ms between the long Hutchinson cases and 20-23 ms elsewhere.)
+Usage: python benchmarks/flatness_cost.py [--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 9].
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _util import interleave, paired_ratio
 
 from flatlm.flatness import fisher as fi
 from flatlm.flatness import hessian as hs
@@ -47,32 +50,6 @@ def _batch(rng: np.random.Generator, B: int, one_per_row: bool) -> dict:
         weights[b, pos] = 1.0
         tokens[b, pos] = special_ids(V).mask
     return {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(targets), "weights": jnp.asarray(weights)}
-
-
-def _ratio(fn, args, ref, ref_args, repeats: int, per: int = 1) -> float:
-    """Median over repeats of cpu(fn) / cpu(ref), measured back to back (CPU seconds of this process, all threads:
-    steadier than wall time when other jobs share the machine)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(ref(*ref_args))
-    ratios = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        jax.block_until_ready(ref(*ref_args))
-        t1 = time.process_time()
-        jax.block_until_ready(fn(*args))
-        t2 = time.process_time()
-        ratios.append((t2 - t1) / max(t1 - t0, 1e-9) / per)
-    return float(np.median(ratios))
-
-
-def _cpu(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t = time.process_time()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.process_time() - t)
-    return float(np.median(ts))
 
 
 def _memory(fn, *args) -> int:
@@ -106,19 +83,31 @@ def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
     coef, coef_ctx = jnp.sqrt(batch["weights"]), jnp.sqrt(ctx["weights"])
 
     n = 16
-    r = functools.partial(_ratio, ref=grad, ref_args=(params, batch), repeats=repeats)
-    rows = {
-        "gradient (cpu s)": _cpu(grad, (params, batch), repeats),
-        "hvp fwd-over-rev": r(hvp, (params, v, batch)),
-        "hvp rev-over-rev": r(rr, (params, v, batch)),
-        "hutchinson / probe (linearized, chunk 1)": r(jax.jit(hutch(n, 1)), (params, batch, key), per=n),
-        "hutchinson / probe (linearized, chunk 4)": r(jax.jit(hutch(n, 4)), (params, batch, key), per=n),
-        "hutchinson / probe (jvp, chunk 1)": r(jax.jit(hutch(n, 1, False)), (params, batch, key), per=n),
-        "fisher summed, 1 draw": r(jax.jit(summed(1)), (params, batch["tokens"], coef, key)),
-        "fisher summed / draw (16 draws)": r(jax.jit(summed(n)), (params, batch["tokens"], coef, key), per=n),
-        "fisher per-sample, 1 draw": _ratio(jax.jit(per_sample), (params, ctx["tokens"], coef_ctx, ctx["targets"], key),
-                                            grad, (params, ctx), repeats),
+    cases = {  # name: (function, args, products per call)
+        "gradient": (grad, (params, batch), 1),
+        "gradient, one masked position per row": (grad, (params, ctx), 1),
+        "hvp fwd-over-rev": (hvp, (params, v, batch), 1),
+        "hvp rev-over-rev": (rr, (params, v, batch), 1),
+        "hutchinson / probe (linearized, chunk 1)": (jax.jit(hutch(n, 1)), (params, batch, key), n),
+        "hutchinson / probe (linearized, chunk 4)": (jax.jit(hutch(n, 4)), (params, batch, key), n),
+        "hutchinson / probe (jvp, chunk 1)": (jax.jit(hutch(n, 1, False)), (params, batch, key), n),
+        "fisher summed, 1 draw": (jax.jit(summed(1)), (params, batch["tokens"], coef, key), 1),
+        "fisher summed / draw (16 draws)": (jax.jit(summed(n)), (params, batch["tokens"], coef, key), n),
+        "fisher per-sample, 1 draw": (jax.jit(per_sample), (params, ctx["tokens"], coef_ctx, ctx["targets"], key), 1),
     }
+    calls = {name: functools.partial(lambda f, a: jax.block_until_ready(f(*a)), f, a) for name, (f, a, _) in
+             cases.items()}
+    for call in calls.values():
+        call()
+    rows = {}
+    for name, (_, _, per) in cases.items():
+        if name.startswith("gradient"):
+            continue
+        ref = "gradient, one masked position per row" if "per-sample" in name else "gradient"
+        samples = interleave({ref: calls[ref], name: calls[name]}, repeats)  # the case and its own reference
+        med, lo, hi = paired_ratio(samples[name], samples[ref], 1)
+        rows[name], rows[f"{name} [min]"], rows[f"{name} [max]"] = med / per, lo / per, hi / per
+        rows.setdefault("gradient (cpu s)", float(np.median(samples["gradient"][:, 1])) if ref == "gradient" else 0)
     for b in (B, 1):
         small = {k: x[:b] for k, x in batch.items()}
         g = _memory(jax.grad(loss), params, small)
@@ -139,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d-models", default="128,256")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     results = {}
