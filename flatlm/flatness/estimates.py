@@ -221,12 +221,6 @@ def hashable(fn):
         return functools.partial(fn)
 
 
-def chunked_map(f, xs, chunk: int):
-    """`jax.lax.map(f, xs)` in chunks of `chunk` (vmapped within a chunk, as `batch_size`); chunk 1 maps without
-    vmap: lax.map's batch_size=1 vmaps over a size-1 axis, whose batched dots XLA:CPU ran up to 1.8x slower."""
-    return jax.lax.map(f, xs, batch_size=chunk if chunk > 1 else None)
-
-
 def acc_dtype(x) -> jnp.dtype:
     """The accumulation dtype for `x`: at least float32 (float64 stays float64)."""
     return jnp.promote_types(x.dtype, jnp.float32)

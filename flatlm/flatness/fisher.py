@@ -32,7 +32,6 @@ from flatlm.flatness.estimates import (
     GroupFn,
     TraceEstimate,
     acc_dtype,
-    chunked_map,
     group_dots,
     hashable,
     param_groups,
@@ -222,10 +221,10 @@ def _per_sample_stats(params, tokens_BT, coef_BT, targets_BT, key, *, apply_fn, 
             (g,) = vjp_fn(_score_cotangent(logits_TV, coef_T, y_T))
             return group_dots(g, g, leaf_ids, G)
 
-        return chunked_map(draw, jnp.arange(num_draws), draw_chunk)
+        return jax.lax.map(draw, jnp.arange(num_draws), batch_size=draw_chunk)
 
     xs = (tokens_BT, coef_BT, targets_BT, jnp.arange(tokens_BT.shape[0]))
-    return chunked_map(row, xs, chunk)
+    return jax.lax.map(row, xs, batch_size=chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "num_draws", "draw_chunk", "leaf_ids"))
@@ -239,7 +238,7 @@ def _summed_stats(params, tokens_BT, coef_BT, key, *, apply_fn, num_draws, draw_
         (g,) = vjp_fn(_score_cotangent(logits_BTV, coef_BT, y_BT))
         return group_dots(g, g, leaf_ids, G)
 
-    return chunked_map(draw, jnp.arange(num_draws), draw_chunk)
+    return jax.lax.map(draw, jnp.arange(num_draws), batch_size=draw_chunk)
 
 
 def empirical_fisher_trace(

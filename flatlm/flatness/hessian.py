@@ -29,7 +29,6 @@ from flatlm.flatness.estimates import (
     GroupFn,
     TraceEstimate,
     acc_dtype,
-    chunked_map,
     group_dots,
     hashable,
     param_groups,
@@ -268,7 +267,7 @@ def _hutchinson_stats(params, batch, key, *, loss_fn, num_probes, kind, chunk, l
         hv = lin(v)
         return group_dots(v, hv, leaf_ids, G), group_dots(hv, hv, leaf_ids, G).sum()
 
-    return chunked_map(one, jnp.arange(num_probes), chunk)
+    return jax.lax.map(one, jnp.arange(num_probes), batch_size=chunk)
 
 
 def _tree_gram(a: Params, b: Params) -> jax.Array:
@@ -328,7 +327,7 @@ def hutchpp_trace(
     @jax.jit
     def apply_batch(p, vs, batch):
         f = (lambda v: matvec(p, v)) if batch is None else (lambda v: matvec(p, v, batch))
-        return chunked_map(f, vs, chunk)
+        return jax.lax.map(f, vs, batch_size=chunk)
 
     def apply(vs):
         out = None

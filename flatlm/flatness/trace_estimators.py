@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.flatness.estimates import TraceEstimate, chunked_map, hashable
+from flatlm.flatness.estimates import TraceEstimate, hashable
 from flatlm.flatness.hessian import hvp
 
 Params = Any
@@ -68,7 +68,7 @@ def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> 
             y = hvp(loss, p, unravel(x_N)) if is_loss else fn(unravel(x_N))
             return jnp.concatenate([jnp.ravel(t).astype(x_N.dtype) for t in jax.tree.leaves(y)])
 
-        return chunked_map(one, X_MN, chunk)
+        return jax.lax.map(one, X_MN, batch_size=chunk)
 
     return jax.jit(apply)
 
