@@ -1,0 +1,46 @@
+"""Host memory allocator settings for XLA:CPU, applied once when flatlm is imported (glibc only).
+
+Each XLA:CPU execution mallocs its temporary buffers (504 MiB for the L4-H128 train step at batch 256) and frees
+them at the end. The allocation happens on a worker thread, which glibc serves from a secondary arena whose heaps
+hold at most 64 MiB, and any buffer of 32 MiB or more is mmapped by default: either way the buffer is a fresh
+mapping, returned to the kernel when freed, and the next step page-faults every page back in (about 690k minor
+faults in five L4-H128 steps). A 32 MiB matmul output ran at 170 instead of 436 GFLOP/s for that reason alone.
+
+Settings (glibc `mallopt`): one arena (M_ARENA_MAX = 1: worker threads allocate from the main heap), buffers up to
+2 GiB from the heap (M_MMAP_THRESHOLD) and freed memory kept for the next step (M_TRIM_THRESHOLD): the process
+then holds its peak heap until it exits (RSS does not shrink after a large step), the usual trade for a training
+job. Measured in alternating processes, L4-H128 step at batch 256 on 2 cores: 325-347 ms without, 196-206 ms with.
+
+`FLATLM_MALLOC=system` leaves glibc's defaults alone; a MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ in the environment (read by glibc at start-up) wins over the setting it names. Elsewhere
+than glibc (macOS, musl) nothing is changed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameter numbers
+_LARGEST = 2**31 - 1  # mallopt takes an int: 2 GiB - 1 bytes
+SETTINGS = {  # parameter, value, the environment variable that overrides it
+    "arena_max": (M_ARENA_MAX, 1, "MALLOC_ARENA_MAX"),
+    "mmap_threshold": (M_MMAP_THRESHOLD, _LARGEST, "MALLOC_MMAP_THRESHOLD_"),
+    "trim_threshold": (M_TRIM_THRESHOLD, _LARGEST, "MALLOC_TRIM_THRESHOLD_"),
+}
+
+
+def configure(environ=os.environ) -> dict[str, int]:
+    """Apply the settings above once per process; {name: value} of those applied (empty when none was)."""
+    if environ.get("FLATLM_MALLOC", "").lower() == "system" or platform.libc_ver()[0] != "glibc":
+        return {}
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # a static or unusual libc: keep its defaults
+        return {}
+    applied = {}
+    for name, (param, value, env) in SETTINGS.items():
+        if env not in environ and mallopt(param, value) == 1:
+            applied[name] = value
+    return applied
