@@ -10,6 +10,9 @@ Settings (glibc `mallopt`): one arena (M_ARENA_MAX = 1: worker threads allocate 
 2 GiB from the heap (M_MMAP_THRESHOLD) and freed memory kept for the next step (M_TRIM_THRESHOLD): the process
 then holds its peak heap until it exits (RSS does not shrink after a large step), the usual trade for a training
 job. Measured in alternating processes, L4-H128 step at batch 256 on 2 cores: 325-347 ms without, 196-206 ms with.
+The cost: XLA's multi-threaded compiler contends for the single arena, about 1 s more per cold compile of the
+PCFG chart (4.3-5.1 s -> 5.4-6.1 s) and of `flatlm train` tiny (first step 5.9 -> 7.7 s cold; 3.1 -> 3.5 s with
+the compilation cache, the CLI's default).
 
 `FLATLM_MALLOC=system` leaves glibc's defaults alone; a MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ /
 MALLOC_TRIM_THRESHOLD_ in the environment (read by glibc at start-up) wins over the setting it names. Elsewhere
