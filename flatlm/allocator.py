@@ -14,7 +14,9 @@ The cost: XLA's multi-threaded compiler contends for the single arena, about 1 s
 PCFG chart (4.3-5.1 s -> 5.4-6.1 s) and of `flatlm train` tiny (first step 5.9 -> 7.7 s cold; 3.1 -> 3.5 s with
 the compilation cache, the CLI's default).
 
-`FLATLM_MALLOC=system` leaves glibc's defaults alone; a MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ /
+Nothing is changed when an accelerator plugin (CUDA, ROCm, TPU) is installed and JAX_PLATFORMS does not name cpu
+first: XLA:CPU's temporaries do not matter there, the compile cost would. `FLATLM_MALLOC=system` leaves glibc's
+defaults alone, `FLATLM_MALLOC=heap` applies the settings even then; a MALLOC_ARENA_MAX / MALLOC_MMAP_THRESHOLD_ /
 MALLOC_TRIM_THRESHOLD_ in the environment (read by glibc at start-up) wins over the setting it names. Elsewhere
 than glibc (macOS, musl) nothing is changed.
 """
@@ -22,6 +24,7 @@ than glibc (macOS, musl) nothing is changed.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import platform
 
@@ -34,9 +37,20 @@ SETTINGS = {  # parameter, value, the environment variable that overrides it
 }
 
 
+ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def accelerator_installed(environ=os.environ) -> bool:
+    """Whether JAX may pick an accelerator: a plugin is installed and JAX_PLATFORMS does not start with cpu."""
+    if environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu":
+        return False
+    return any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PLUGINS)
+
+
 def configure(environ=os.environ) -> dict[str, int]:
     """Apply the settings above once per process; {name: value} of those applied (empty when none was)."""
-    if environ.get("FLATLM_MALLOC", "").lower() == "system" or platform.libc_ver()[0] != "glibc":
+    mode = environ.get("FLATLM_MALLOC", "").lower()
+    if mode == "system" or platform.libc_ver()[0] != "glibc" or (mode != "heap" and accelerator_installed(environ)):
         return {}
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -55,3 +55,11 @@ def test_settings_in_the_environment_win():
     assert allocator.configure({"FLATLM_MALLOC": "system"}) == {}
     applied = allocator.configure({"MALLOC_ARENA_MAX": "4"})
     assert "arena_max" not in applied and applied["mmap_threshold"] == 2**31 - 1
+
+
+def test_accelerator_hosts_keep_glibc_defaults(monkeypatch):
+    monkeypatch.setattr(allocator, "accelerator_installed", lambda environ: True)
+    assert allocator.configure({}) == {}
+    assert allocator.configure({"FLATLM_MALLOC": "heap"})["arena_max"] == 1
+    monkeypatch.undo()
+    assert not allocator.accelerator_installed({"JAX_PLATFORMS": "cpu"})
