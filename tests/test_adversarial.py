@@ -498,6 +498,7 @@ def _max_diff(a, b) -> float:
                                                                                       jax.tree.leaves(b)))
 
 
+@pytest.mark.slow  # 42-59 s on 2 cores: make test-all (make test stays under 10 min)
 def test_training_loop_warm_start_monitor_and_resume(tmp_path):
     """`flatlm train` with train.adversarial from the config: lam = 0 with monitor gives the plain run's parameters
     (1e-7) and logs the head's D2 metrics; lam > 0 with start_step 10 equals the plain run up to step 10, differs

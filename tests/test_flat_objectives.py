@@ -161,7 +161,7 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
     """The penalty's custom VJP (2 H_s g / n by one linearisation) against jax.grad of the plain formula, written
     out here with the same draws (labels from the forward's own logits, one sign vector per probe)."""
     apply_fn, params, batch = tiny
-    key, probes, w = jax.random.key(5), 3, batch["weights"]
+    key, probes, w = jax.random.key(5), 2, batch["weights"]
 
     def reference(p):
         k_y, k_eps = jax.random.split(key)

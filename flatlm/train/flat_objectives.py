@@ -114,10 +114,12 @@ def label_noise_objective(cfg: FlatConfig):
 
 
 def _probe_mean(one, key: jax.Array, probes: int) -> jax.Array:
-    """Mean of one(k) over `probes` keys split from `key`, unrolled: vmap would batch the parameter-shaped probes
-    and tangents into batched matmuls, which XLA:CPU ran 1.8x (one probe) to 2.6x (two) slower for the Hutchinson
-    penalty's gradient (d128, B64). Probes are few (1-4), so the unrolled graph stays small."""
+    """Mean of one(k) over `probes` keys split from `key`: unrolled up to 4 probes, else mapped one at a time
+    (lax.map, compiled once). Not vmap: it batches the parameter-shaped probes and tangents into batched matmuls,
+    which XLA:CPU ran 1.8x (one probe) to 2.6x (two) slower for the Hutchinson penalty's gradient (d128, B64)."""
     keys = jax.random.split(key, probes)
+    if probes > 4:
+        return jnp.mean(jax.lax.map(one, keys))
     return sum(one(keys[i]) for i in range(probes)) / probes
 
 
