@@ -1,10 +1,11 @@
 """Host memory allocator settings for XLA:CPU, applied once when flatlm is imported (glibc only).
 
 Each XLA:CPU execution mallocs its temporary buffers (504 MiB for the L4-H128 train step at batch 256) and frees
-them at the end. The allocation happens on a worker thread, which glibc serves from a secondary arena whose heaps
-hold at most 64 MiB, and any buffer of 32 MiB or more is mmapped by default: either way the buffer is a fresh
-mapping, returned to the kernel when freed, and the next step page-faults every page back in (about 690k minor
-faults in five L4-H128 steps). A 32 MiB matmul output ran at 170 instead of 436 GFLOP/s for that reason alone.
+them at the end. glibc mmaps any buffer of 32 MiB or more by default, and a secondary arena (a thread other than
+the main one) holds at most 64 MiB: the buffer is then a fresh mapping, returned to the kernel when freed, and the
+next step page-faults every page back in (about 690k minor faults in five L4-H128 steps; only one arena and a
+higher threshold together remove them, so the temporaries are allocated off the main thread). A 32 MiB matmul
+output ran at 170 instead of 436 GFLOP/s for that reason alone.
 
 Settings (glibc `mallopt`): one arena (M_ARENA_MAX = 1: worker threads allocate from the main heap), buffers up to
 2 GiB from the heap (M_MMAP_THRESHOLD) and freed memory kept for the next step (M_TRIM_THRESHOLD): the process
