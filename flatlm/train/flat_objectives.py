@@ -68,8 +68,13 @@ def validate(cfg: FlatConfig, batch_size: int) -> None:
                         f"{batch_size} (1: SAM on the batch; batch_size: one ascent step per sentence)")
 
 
+def _squared_norm(tree) -> jax.Array:
+    """Sum of squares of every leaf, accumulated in float32 (SAM's ascent scale, the Fisher penalty's ||g||^2)."""
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
 def _norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+    return jnp.sqrt(_squared_norm(tree))
 
 
 def sam_objective(cfg: FlatConfig):
@@ -161,10 +166,6 @@ def _signed_score(params, apply_fn, eps_BT, key_y, tokens_BT) -> jax.Array:
     logp_BTV = jax.nn.log_softmax(apply_fn({"params": params}, tokens_BT).astype(jnp.float32), axis=-1)
     y_BT = sample_labels(key_y, jax.lax.stop_gradient(logp_BTV))
     return jnp.sum(eps_BT * jnp.take_along_axis(logp_BTV, y_BT[..., None], axis=-1)[..., 0])
-
-
-def _squared_norm(tree) -> jax.Array:
-    return sum(jnp.vdot(x, x) for x in jax.tree.leaves(tree))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
