@@ -94,3 +94,24 @@ def test_a_run_stored_before_a_field_existed_resumes_with_its_default(tmp_path):
     changed.train.stacking.rule = "top"
     with pytest.raises(UserError, match="train.stacking.rule"):
         save_workdir_config(changed, str(tmp_path))
+
+
+def test_a_stream_run_stored_before_stream_block_resumes_only_with_its_block_of_8(tmp_path):
+    """A stream run written before `data.stream_block` sampled blocks of 8: resuming it with today's default (512)
+    would change its data, so it is refused; with 8 it resumes, and `load_workdir_config` reads 8. A tfds run
+    without the field resumes with the default (the field does not touch its data)."""
+    from flatlm.config import load_workdir_config, save_workdir_config
+
+    for source, refused in (("stream", True), ("tfds", False)):
+        config = load_config(TINY)
+        config.data.source = source
+        save_workdir_config(config, str(tmp_path / source))
+        stored = json.loads((tmp_path / source / "config.json").read_text())
+        del stored["data"]["stream_block"]
+        (tmp_path / source / "config.json").write_text(json.dumps(stored))
+        if refused:
+            with pytest.raises(UserError, match="data.stream_block"):
+                save_workdir_config(config, str(tmp_path / source))
+            config.data.stream_block = 8
+            assert load_workdir_config(str(tmp_path / source)).data.stream_block == 8
+        save_workdir_config(config, str(tmp_path / source))

@@ -97,6 +97,28 @@ def test_stream_is_deterministic_in_seed_step_and_process():
     assert c[0]["targets"].shape == (4, 6) and not np.array_equal(a[0]["targets"][:4], c[0]["targets"])
 
 
+@pytest.mark.parametrize("block", [1, 3, 8, 512])
+def test_stream_global_batch_is_the_same_for_any_process_count(block):
+    """With blocks of any size (not dividing the batch or a process's share too), the processes' rows
+    concatenated are the one-process batch; the block size is part of the data."""
+    lang = make_language(SPEC)
+
+    class Stream(_Data):
+        source, stream_block = "stream", block
+
+    whole = _take(pipeline.train_iterator(Stream, 7, seed=1, language=lang), 2)
+    for count in (2, 4):
+        parts = [_take(pipeline.train_iterator(Stream, 7, seed=1, language=lang, process_index=p,
+                                               process_count=count), 2) for p in range(count)]
+        for step in range(2):
+            for k in whole[step]:
+                np.testing.assert_array_equal(np.concatenate([p[step][k] for p in parts]), whole[step][k])
+    if block < 8:  # the batch (8 rows) is one block at 8 and at 512: the same draws
+        Stream.stream_block = 8
+        assert not np.array_equal(_take(pipeline.train_iterator(Stream, 7, seed=1, language=lang), 1)[0]["tokens"],
+                                  whole[0]["tokens"])
+
+
 def test_hmm_task_names_are_the_papers_one_based_variables():
     """A.1: task-k classifies the k-th hidden variable (1-based); k<i> is the 0-based position i."""
     assert [tasks.hmm_position(t) for t in ("task-1", "task-6", "task-10", "k0", "k5")] == [0, 5, 9, 0, 5]

@@ -11,6 +11,6 @@ def validate_config(data) -> None:
     """Check a config's `data` section; one line naming `data.<field>` on failure."""
     check_choice(data.masking, MASKINGS, "data.masking")
     check_choice(data.source, SOURCES, "data.source")
-    check_positive(data, "data", "batch_size", "eval_size", "train_size")
+    check_positive(data, "data", "batch_size", "eval_size", "train_size", "stream_block")
     if not 0 < data.mask_prob <= 1:
         raise UserError(f"config.data.mask_prob must be in (0, 1], got {data.mask_prob}")

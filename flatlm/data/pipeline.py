@@ -21,7 +21,7 @@ import numpy as np
 from flatlm.data.builder import corpus_arrays, read_items
 from flatlm.data.masking import RowHash, mask_batch
 
-STREAM_BLOCK = 8  # rows sampled (and masked) together by the stream source, seeded by (seed, step, block)
+LEGACY_STREAM_BLOCK = 8  # the stream source's block before `data.stream_block` existed (runs resumed from then)
 
 
 class _CorpusRows(grain.transforms.Map):
@@ -61,23 +61,24 @@ class _CorpusRows(grain.transforms.Map):
 class _SampleRows(grain.transforms.Map):
     """Step i -> rows [lo, hi) of the global batch of step i, sampled from the language and masked.
 
-    Row r of step i belongs to block r // STREAM_BLOCK, sampled and masked with seeds (seed, i, block): a row's
-    content depends on (seed, step, row) only, so the global batch is the same for every number of processes;
-    a process samples only the blocks that hold its rows."""
+    Row r of step i belongs to block r // `block` (`data.stream_block` rows), sampled by one call of the
+    language's vectorised sampler and masked with seeds (seed, i, block): a row's content depends on (seed, step,
+    row, block size) only, so the global batch is the same for every number of processes; a process samples only
+    the blocks that hold its rows (whole blocks: a share smaller than a block samples rows it drops)."""
 
-    def __init__(self, language, batch_size: int, lo: int, hi: int, seed: int, mask_kw: dict):
+    def __init__(self, language, batch_size: int, lo: int, hi: int, seed: int, mask_kw: dict, block: int):
         self.language, self.batch_size, self.lo, self.hi = language, batch_size, lo, hi
-        self.seed, self.mask_kw = seed, mask_kw
+        self.seed, self.mask_kw, self.block = seed, mask_kw, block
 
     def map(self, index: int) -> dict:
-        first, parts = self.lo // STREAM_BLOCK, []
-        for block in range(first, (self.hi - 1) // STREAM_BLOCK + 1):
-            size = min(STREAM_BLOCK, self.batch_size - block * STREAM_BLOCK)
+        first, parts = self.lo // self.block, []
+        for block in range(first, (self.hi - 1) // self.block + 1):
+            size = min(self.block, self.batch_size - block * self.block)
             seeds = np.random.SeedSequence([self.seed, int(index), block]).generate_state(2)
             corpus = self.language.sample(size, seed=int(seeds[0]))
             parts.append(mask_batch(corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32),
                                     rng=np.random.default_rng(int(seeds[1])), **self.mask_kw))
-        rows = slice(self.lo - first * STREAM_BLOCK, self.hi - first * STREAM_BLOCK)
+        rows = slice(self.lo - first * self.block, self.hi - first * self.block)
         return {k: np.concatenate([p[k] for p in parts])[rows] for k in parts[0]}
 
 
@@ -98,7 +99,8 @@ def train_dataset(data_config, num_words: int, seed: int, source=None, language=
     if data_config.source == "stream":
         lo, hi = local_rows(data_config.batch_size, process_index, process_count)
         return grain.MapDataset.range(0, 2**62).map(
-            _SampleRows(language, data_config.batch_size, lo, hi, seed, mask_kw))
+            _SampleRows(language, data_config.batch_size, lo, hi, seed, mask_kw,
+                        getattr(data_config, "stream_block", LEGACY_STREAM_BLOCK)))
     tokens_NT, lengths_N = corpus_arrays(source)
     lo, hi = local_rows(data_config.batch_size, process_index, process_count)
     return grain.MapDataset.range(0, 2**62).map(
