@@ -19,17 +19,32 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import uuid
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from flatlm import paths
 from flatlm.errors import DiskFull, disk_full_is_one_line
 
 UPLOAD_EVERY_S = 60.0  # a cloud workdir's TensorBoard events are uploaded at most this often (and on close)
+
+
+def SummaryWriter(*args, **kwargs):  # noqa: N802 - stands in for the class
+    """tensorboardX's SummaryWriter, imported on first use and without torch: where torch is installed,
+    tensorboardX's writer imports it (~1 s of every CLI start-up) only to recognise torch tensors, and flatlm
+    writes Python floats. torch stays importable afterwards (only this import is kept from seeing it)."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX is imported
+        try:
+            import tensorboardX  # noqa: F401 - reason: see the docstring (imported for its side effect)
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter as writer_class  # reason: see the docstring
+
+    return writer_class(*args, **kwargs)
 
 
 def _scalar(v):

@@ -48,7 +48,8 @@ def _ok(procs) -> None:
 def _rows(workdir) -> list[dict]:
     """metrics.jsonl without the wall-clock fields."""
     rows = [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("time", "train/steps_per_sec")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("time", "train/steps_per_sec") and not k.startswith("time/")}
+            for r in rows]
 
 
 def _params(workdir, step=20) -> list[np.ndarray]:
