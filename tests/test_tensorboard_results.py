@@ -36,3 +36,18 @@ def test_results_are_logged_to_tensorboard(tmp_path):
     got = {tag: sorted(points) for tag, points in read_scalars(tmp_path / "tensorboard" / "results").items()}
     assert got == {"probe/A/accuracy": [(10, 0.625), (20, 0.875)], "finetune/A/accuracy": [(10, 0.75)],
                    "flatness/fisher/trace": [(10, 12.5)], "flatness/hutchinson_grown4x256/trace": [(20, 3.25)]}
+
+
+def test_metric_writer_does_not_import_torch(tmp_path):
+    """The TensorBoard writer opens without importing torch (tensorboardX's writer would, where torch is
+    installed: ~1 s of every start-up), its scalars still land, and torch stays importable afterwards."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    code = ("import sys; from flatlm.metrics import MetricWriter; w = MetricWriter(sys.argv[1]); "
+            "w.write(1, {'train/loss': 0.5}); w.close(); print('torch' in sys.modules); "
+            "import importlib.util; print(importlib.util.find_spec('torch') is not None)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", str(importlib.util.find_spec("torch") is not None)]
+    assert read_scalars(tmp_path / "tensorboard")["train/loss"] == [(1, 0.5)]
