@@ -48,31 +48,36 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     """(alpha[m], beta[m]) of T_m from `num_iters` Lanczos steps started at `v0` (normalised here); beta[-1] is
     the residual norm after the last step (0 if the Krylov space was exhausted early, then m < num_iters).
 
-    Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so each
-    full reorthogonalisation is two matrix products of one shape (compiled once) instead of a dot per basis vector
-    and parameter tensor."""
+    Each step is the three-term recurrence w = Hv - alpha v - beta v_prev followed by full reorthogonalisation
+    against the kept basis: one classical Gram-Schmidt pass, and a second only when the first removed more than
+    1 - 1/sqrt(2) of w's norm (Daniel, Gragg, Kaufman & Stewart 1976; "twice is enough"), decided on the device.
+    Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so a
+    pass is two matrix products of one shape (compiled once) instead of a dot per basis vector and tensor."""
     ravel, unravel = _raveller(*_structure(v0))
     mv = lambda x: ravel(matvec(unravel(x)))
     flat0 = ravel(v0)
     v = flat0 / jnp.linalg.norm(flat0)
+    v_prev, beta = jnp.zeros_like(v), jnp.zeros((), v.dtype)
     B_MN = _put_row(jnp.zeros((num_iters, v.size), v.dtype), v, 0)
     alphas, betas = [], []
     for i in range(num_iters):
-        alpha, beta, v_next, B_next = _lanczos_step(B_MN, v, mv(v), min(i + 1, num_iters - 1))
-        alpha, beta = map(float, jax.device_get((alpha, beta)))  # one host round trip per step
-        alphas.append(alpha)
-        betas.append(beta)
-        if beta <= 1e-10 * max(1.0, abs(alpha)) or i + 1 == num_iters:
+        alpha, beta, v_next, B_next = _lanczos_step(B_MN, v, v_prev, beta, mv(v), min(i + 1, num_iters - 1))
+        alpha_f, beta_f = map(float, jax.device_get((alpha, beta)))  # one host round trip per step
+        alphas.append(alpha_f)
+        betas.append(beta_f)
+        if beta_f <= 1e-10 * max(1.0, abs(alpha_f)) or i + 1 == num_iters:
             break
-        v, B_MN = v_next, B_next
+        v_prev, v, B_MN = v, v_next, B_next
     return np.asarray(alphas), np.asarray(betas)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _lanczos_step(B_MN, v_N, w_N, i):
-    """alpha = w.v, then w reorthogonalised against the basis, beta = |w|, the next vector w / beta and the basis
-    with it as row i (one dispatch per step; the basis is donated, so the row is written in place, not copied)."""
+def _lanczos_step(B_MN, v_N, v_prev_N, beta_prev, w_N, i):
+    """alpha = w.v; w - alpha v - beta_prev v_prev reorthogonalised against the basis; beta = |w|; the next
+    vector w / beta and the basis with it as row i (one dispatch per step; the basis is donated, so the row is
+    written in place, not copied)."""
     alpha = jnp.vdot(w_N, v_N)
+    w_N = w_N - alpha * v_N - beta_prev * v_prev_N
     w_N, beta = _reorthogonalise(B_MN, w_N)
     v_next = w_N / jnp.where(beta > 0, beta, 1.0)
     return alpha, beta, v_next, _put_row(B_MN, v_next, i)
@@ -99,11 +104,14 @@ def _raveller(treedef, shapes: tuple) -> tuple[Callable, Callable]:
     return jax.jit(ravel), jax.jit(unravel)
 
 
-@jax.jit
 def _reorthogonalise(B_MN, w_N):
-    """w minus its projection on the rows of B (orthonormal or zero), twice ("twice is enough"), and its norm."""
-    for _ in range(2):
-        w_N = w_N - (B_MN @ w_N) @ B_MN
+    """w minus its projection on the rows of B (orthonormal or zero), and its norm: one classical Gram-Schmidt
+    pass, repeated once if it shrank w below 1/sqrt(2) of its norm (cancellation: the first pass's result
+    then carries rounding errors along B that a second pass removes; DGKS)."""
+    norm0 = jnp.linalg.norm(w_N)
+    w_N = w_N - (B_MN @ w_N) @ B_MN
+    norm1 = jnp.linalg.norm(w_N)
+    w_N = jax.lax.cond(norm1 < norm0 / math.sqrt(2.0), lambda w: w - (B_MN @ w) @ B_MN, lambda w: w, w_N)
     return w_N, jnp.linalg.norm(w_N)
 
 
