@@ -223,7 +223,13 @@ class Mlp(nn.Module):
         B, T = x_BTD.shape[:2]
         h_NF = jax.nn.gelu(_dense(x_BTD, wi, dt) + bi.astype(dt), approximate=c.gelu_approximate)
         h_BTF = nn.with_logical_constraint(h_NF.reshape(B, T, c.ff), ("batch", "length", "mlp"))
-        y_BTD = (_dense(h_BTF, wo, dt) + bo.astype(dt)).reshape(B, T, c.d_model)
+        # wo enters transposed behind an optimisation barrier (which XLA cannot fold the transpose through), so
+        # its gradient is the dot g^T h [D, F] over the N = B*T rows: XLA:CPU runs it ~1.5x faster than h^T g
+        # [F, D] (321 vs 206 GFLOP/s at L6-H256, N = 8192): -40 ms of a 900 ms step. The parameter stays [F, D];
+        # the barrier is differentiable (forward-over-reverse HVPs included) and the maths unchanged.
+        wo_DF = jax.lax.optimization_barrier(wo.T.astype(dt))
+        y_ND = jax.lax.dot_general(h_BTF.reshape(-1, c.ff).astype(dt), wo_DF, (((1,), (1,)), ((), ())))
+        y_BTD = (y_ND + bo.astype(dt)).reshape(B, T, c.d_model)
         return nn.with_logical_constraint(y_BTD, ("batch", "length", "embed"))
 
 
