@@ -12,8 +12,8 @@ BERT masking. Sections:
      product per parameter): median |estimate - Tr(H)| / |Tr(H)| over --repeats keys per budget. (The MLM Hessian
      is indefinite; Hutch++'s and XTrace's gains depend on how much of ||H||_F a few eigenvalues carry.)
   3. Lanczos top-20 (`spectrum.top_eigenvalues`, k + 5 steps, given a compiled linearized product): Hessian
-     products used, and its wall time in units of one such product (reorthogonalisation and host round trips
-     included; the first call's compilation is printed apart).
+     products used, and its wall time (median of 3 calls) in units of one such product (reorthogonalisation and
+     host round trips included; the first call's compilation is printed apart).
   4. train steps (`train_step` jitted with a donated state, AdamW, dropout on) interleaved in rounds: SAM
      (`flat_objectives`, rho 0.05, one ascent group) and the trace penalty with one probe (Fisher, the default,
      and Hutchinson) as multiples of the plain MLM step; medians over rounds.
@@ -112,18 +112,24 @@ def error_vs_budget(d_model: int, budgets: list[int], repeats: int) -> dict:
     return out
 
 
-def lanczos_cost(model, params, batch, t_hvp_linearized: float, k: int = 20) -> dict:
-    """HVPs and wall time (in linearized-HVP units) of `top_eigenvalues(k)` with a compiled product (as
-    `compare.spectrum_report` passes one); the first call compiles the product and the reorthogonaliser."""
+def lanczos_cost(model, params, batch, t_hvp_linearized: float, k: int = 20, repeats: int = 3) -> dict:
+    """HVPs and wall time (in linearized-HVP units; median and range of `repeats` calls) of `top_eigenvalues(k)`
+    with a compiled product (as `compare.spectrum_report` passes one); the first call compiles the product and
+    the reorthogonaliser and is timed apart."""
     loss = functools.partial(_loss, batch=batch, apply_fn=model.apply)
     mv = jax.jit(hs.hvp_fn(loss, params))
     t0 = time.perf_counter()
     spectrum.top_eigenvalues(None, params, jax.random.key(0), k=k, matvec=mv)
     first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    top = spectrum.top_eigenvalues(None, params, jax.random.key(1), k=k, matvec=mv)
-    wall = time.perf_counter() - t0
+    walls, tops = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        tops.append(spectrum.top_eigenvalues(None, params, jax.random.key(1 + r), k=k, matvec=mv))
+        walls.append(time.perf_counter() - t0)
+    top = tops[0]
+    wall = float(np.median(walls))
     return {"k": k, "num_matvecs": top.num_matvecs, "seconds": wall, "hvp_equivalents": wall / t_hvp_linearized,
+            "repeats": repeats, "hvp_equivalents_range": [min(walls) / t_hvp_linearized, max(walls) / t_hvp_linearized],
             "first_call_seconds": first, "top3": top.values[:3].tolist(), "residual3": top.residual[:3].tolist()}
 
 
@@ -216,9 +222,11 @@ def main(argv=None) -> dict:
     print(f"   {'budget':>6} {'hutchinson':>11} {'hutch++':>11} {'xtrace':>11}")
     for r in err["rows"]:
         print(f"   {r['budget']:>6} {r['hutchinson']:>11.3g} {r['hutchpp']:>11.3g} {r['xtrace']:>11.3g}")
+    lo, hi = lan["hvp_equivalents_range"]
     print(f"\n3. Lanczos k={lan['k']}: {lan['num_matvecs']} HVPs, {lan['seconds']:.3f} s = "
-          f"{lan['hvp_equivalents']:.1f} linearized-HVP equivalents (first call, compiling: "
-          f"{lan['first_call_seconds']:.1f} s); top 3 {np.round(lan['top3'], 4).tolist()} "
+          f"{lan['hvp_equivalents']:.1f} linearized-HVP equivalents (median of {lan['repeats']} calls, "
+          f"{lo:.1f}-{hi:.1f}; first call, compiling: {lan['first_call_seconds']:.1f} s); "
+          f"top 3 {np.round(lan['top3'], 4).tolist()} "
           f"± {np.round(lan['residual3'], 4).tolist()}")
     print("\n4. train step, median ms and x plain (range over rounds)")
     for k, t in steps["seconds"].items():
