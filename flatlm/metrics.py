@@ -32,7 +32,7 @@ from flatlm.errors import DiskFull, disk_full_is_one_line
 UPLOAD_EVERY_S = 60.0  # a cloud workdir's TensorBoard events are uploaded at most this often (and on close)
 
 
-def SummaryWriter(*args, **kwargs):  # noqa: N802 - stands in for the class
+def _summary_writer(*args, **kwargs):
     """tensorboardX's SummaryWriter, imported on first use and without torch: where torch is installed,
     tensorboardX's writer imports it (~1 s of every CLI start-up) only to recognise torch tensors, and flatlm
     writes Python floats. torch stays importable afterwards (only this import is kept from seeing it)."""
@@ -97,7 +97,7 @@ class MetricWriter:
             # unbuffered: a row that does not fit on the disk is cut off again (`write`), never left half-written
             self._jsonl = open(paths.path(workdir, "metrics.jsonl"), "ab", buffering=0)  # noqa: SIM115 - close()
             tb_dir = os.fspath(paths.path(workdir, "tensorboard"))
-        self._tb = SummaryWriter(tb_dir, purge_step=purge)
+        self._tb = _summary_writer(tb_dir, purge_step=purge)
 
     def write(self, step: int, metrics: dict) -> None:
         """Append one row {step, time, metrics...} to metrics.jsonl and the scalars to TensorBoard."""
@@ -175,7 +175,7 @@ def log_results(workdir: str, entries: list[dict]) -> None:
     if not rows:
         return
     with paths.local_copy_dir(paths.path(workdir, "tensorboard", "results")) as folder:
-        writer = SummaryWriter(folder, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")  # event files
+        writer = _summary_writer(folder, filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")  # event files
         # are named by the second and host: two calls in one second would write the same file
         for step, tag, v in rows:
             writer.add_scalar(tag, v, step)
