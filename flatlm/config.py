@@ -246,10 +246,13 @@ def check_positive(section, prefix: str, *names: str) -> None:
 EXTENDABLE = ("train.steps",)  # fields a run may change on resume, and only upwards: see save_workdir_config
 
 
+LEGACY_STREAM_BLOCK = 8  # the stream source's block before `data.stream_block` existed
+
+
 def _legacy(flat_stored: dict) -> dict:
     """Fields added after runs existed, whose absence from a stored config meant another value than today's
     default: {field: the value such a run used}. A stream run from before `data.stream_block` sampled blocks of 8."""
-    return {"data.stream_block": 8} if flat_stored.get("data.source") == "stream" else {}
+    return {"data.stream_block": LEGACY_STREAM_BLOCK} if flat_stored.get("data.source") == "stream" else {}
 
 
 def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: bool = True,

@@ -18,10 +18,9 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
+from flatlm.config import LEGACY_STREAM_BLOCK
 from flatlm.data.builder import corpus_arrays, read_items
 from flatlm.data.masking import RowHash, mask_batch
-
-LEGACY_STREAM_BLOCK = 8  # the stream source's block before `data.stream_block` existed (runs resumed from then)
 
 
 class _CorpusRows(grain.transforms.Map):
