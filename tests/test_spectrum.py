@@ -57,6 +57,21 @@ def test_lanczos_in_float32_over_the_whole_space_has_no_ghost_eigenvalues():
     assert np.sum(theta > 900) == 5  # the five top eigenvalues once each
 
 
+def test_lanczos_stops_where_the_krylov_space_is_exhausted():
+    """A matrix with 3 distinct eigenvalues: from a start vector with weight on all of them the Krylov space has
+    dimension 3, so Lanczos asked for 10 steps returns 3 (the last beta ~ 0) whose Ritz values are exactly those
+    eigenvalues; the steps dispatched after the breakdown do not leak into the result."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(1)
+        Q, _ = np.linalg.qr(rng.standard_normal((12, 12)))
+        eig = np.repeat([5.0, 2.0, -1.0], 4)
+        A = jnp.asarray((Q * eig) @ Q.T)
+        alphas, betas = spectrum.lanczos(lambda v: {"x": A @ v["x"]}, {"x": jnp.ones(12)}, 10)
+    assert len(alphas) == len(betas) == 3 and abs(betas[-1]) < 1e-9
+    theta = np.linalg.eigvalsh(np.diag(alphas) + np.diag(betas[:-1], 1) + np.diag(betas[:-1], -1))
+    np.testing.assert_allclose(theta, [-1.0, 2.0, 5.0], atol=1e-10)
+
+
 def test_power_iteration_agrees_with_lanczos(problem):
     loss_fn, params, _, eig = problem
     with jax.enable_x64(True):

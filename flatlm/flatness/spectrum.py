@@ -52,35 +52,36 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     against the kept basis: one classical Gram-Schmidt pass, and a second only when the first removed more than
     1 - 1/sqrt(2) of w's norm (Daniel, Gragg, Kaufman & Stewart 1976; "twice is enough"), decided on the device.
     Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so a
-    pass is two matrix products of one shape (compiled once) instead of a dot per basis vector and tensor."""
+    pass is two matrix products of one shape (compiled once). All steps are dispatched without a host round
+    trip (on an accelerator a round trip per step would idle it between products) and (alpha, beta) read once at
+    the end; an early breakdown (beta ~ 0) truncates them there: steps after it are wasted work, never a result."""
     ravel, unravel = _raveller(*_structure(v0))
     mv = lambda x: ravel(matvec(unravel(x)))
     flat0 = ravel(v0)
     v = flat0 / jnp.linalg.norm(flat0)
     v_prev, beta = jnp.zeros_like(v), jnp.zeros((), v.dtype)
-    B_MN = _put_row(jnp.zeros((num_iters, v.size), v.dtype), v, 0)
-    alphas, betas = [], []
+    B_MN = jnp.zeros((num_iters, v.size), v.dtype)
+    coefs = []
     for i in range(num_iters):
-        alpha, beta, v_next, B_next = _lanczos_step(B_MN, v, v_prev, beta, mv(v), min(i + 1, num_iters - 1))
-        alpha_f, beta_f = map(float, jax.device_get((alpha, beta)))  # one host round trip per step
-        alphas.append(alpha_f)
-        betas.append(beta_f)
-        if beta_f <= 1e-10 * max(1.0, abs(alpha_f)) or i + 1 == num_iters:
-            break
-        v_prev, v, B_MN = v, v_next, B_next
-    return np.asarray(alphas), np.asarray(betas)
+        alpha, beta, v_next, B_MN = _lanczos_step(B_MN, v, v_prev, beta, mv(v), i)
+        coefs.append((alpha, beta))
+        v_prev, v = v, v_next
+    alphas, betas = np.asarray(jax.device_get(coefs), np.float64).T
+    stop = next((i for i, (a, b) in enumerate(zip(alphas, betas)) if b <= 1e-10 * max(1.0, abs(a))), num_iters - 1)
+    return alphas[: stop + 1], betas[: stop + 1]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _lanczos_step(B_MN, v_N, v_prev_N, beta_prev, w_N, i):
-    """alpha = w.v; w - alpha v - beta_prev v_prev reorthogonalised against the basis; beta = |w|; the next
-    vector w / beta and the basis with it as row i (one dispatch per step; the basis is donated, so the row is
-    written in place, not copied)."""
+    """The basis with v as row i (written in place: the basis is donated); alpha = w.v; w - alpha v - beta_prev
+    v_prev reorthogonalised against the basis; beta = |w|; the next vector w / beta. One dispatch per step. (The
+    row is written before the basis is read, not after: a write after the reorthogonalisation's conditional read
+    made XLA copy the whole basis every step.)"""
+    B_MN = jax.lax.dynamic_update_index_in_dim(B_MN, v_N, i, 0)
     alpha = jnp.vdot(w_N, v_N)
     w_N = w_N - alpha * v_N - beta_prev * v_prev_N
     w_N, beta = _reorthogonalise(B_MN, w_N)
-    v_next = w_N / jnp.where(beta > 0, beta, 1.0)
-    return alpha, beta, v_next, _put_row(B_MN, v_next, i)
+    return alpha, beta, w_N / jnp.where(beta > 0, beta, 1.0), B_MN
 
 
 def _structure(tree: Params) -> tuple:
@@ -113,11 +114,6 @@ def _reorthogonalise(B_MN, w_N):
     norm1 = jnp.linalg.norm(w_N)
     w_N = jax.lax.cond(norm1 < norm0 / math.sqrt(2.0), lambda w: w - (B_MN @ w) @ B_MN, lambda w: w, w_N)
     return w_N, jnp.linalg.norm(w_N)
-
-
-@jax.jit
-def _put_row(B_MN, v_N, i):
-    return jax.lax.dynamic_update_index_in_dim(B_MN, v_N, i, 0)
 
 
 def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
