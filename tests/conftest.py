@@ -12,9 +12,20 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("FLATLM_COMPILATION_CACHE", "off")  # tests compile from scratch: no cache shared between runs
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache_of_this_run(tmp_path_factory):
+    """One JAX compilation cache per test run, shared by its xdist workers and every `flatlm` process the tests
+    start (they compile the same tiny models again and again), never by two runs: each run compiles from
+    scratch. $FLATLM_COMPILATION_CACHE set by the caller (e.g. "off") wins."""
+    if "FLATLM_COMPILATION_CACHE" not in os.environ:
+        root = tmp_path_factory.getbasetemp()
+        root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, not the worker's
+        os.environ["FLATLM_COMPILATION_CACHE"] = str(root / "jax-compilation-cache")
+    yield
 
 
 def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: int = 600,
