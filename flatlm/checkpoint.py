@@ -173,16 +173,18 @@ def _verified(workdir, step: int, load, skip: str | None = None):
 @contextlib.contextmanager
 def _quiet_if_abandoned():
     """Run an orbax read or write. When it fails, the tensorstore callbacks of the abandoned operation still fire
-    into orbax's closed event loop, and its coroutines are collected at exit: both reach `sys.unraisablehook` as
-    hundreds of tracebacks around the one line that reports the error. Drop those: "Event loop is closed" while
-    the call runs and after it failed, and whatever is unraisable while the interpreter exits after a failure."""
+    into orbax's closed event loop, and its coroutines are collected later (while training goes on from an older
+    step, or at exit): all reach `sys.unraisablehook` as tracebacks around the one line that reports the error.
+    Drop those: "Event loop is closed" while the call runs and after it failed; after a failure, orbax's own
+    abandoned coroutines whenever they are collected, and whatever is unraisable while the interpreter exits."""
     previous = sys.unraisablehook
     failed = False
 
     def hook(unraisable):
         exc = unraisable.exc_value
         closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
-        if not (closed_loop or (failed and sys.is_finalizing())):
+        abandoned = failed and (sys.is_finalizing() or _orbax_coroutine(unraisable.object))
+        if not (closed_loop or abandoned):
             previous(unraisable)
 
     sys.unraisablehook = hook
@@ -192,6 +194,12 @@ def _quiet_if_abandoned():
         failed = True  # keep the hook: the late callbacks come after the call has raised
         raise
     sys.unraisablehook = previous
+
+
+def _orbax_coroutine(obj) -> bool:
+    """Whether `obj` is a coroutine defined inside orbax (one of a failed read's or write's pending operations)."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 class _DropDiskFullLogs(logging.Filter):

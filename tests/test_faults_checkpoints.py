@@ -169,7 +169,6 @@ def test_orbax_errors_on_intact_files_are_not_called_damage(trained, tmp_path):
     assert _steps(workdir) == [5, 10, 15, 20] and not (workdir / "checkpoints_damaged").exists()
 
 
-@pytest.mark.slow
 def test_checkpoints_without_checksums_resume_and_are_checked_by_orbax(trained, straight_params, tmp_path):
     """Step folders from an older flatlm (or a kill between orbax's commit and the checksums) have no
     flatlm_sha256.json: they still resume, and orbax's own checks catch what they can."""
