@@ -139,7 +139,7 @@ def spectrum_report(apply_fn: ApplyFn, params, batches: Iterable[dict], key: jax
     its "residual" of an eigenvalue of H (`spectrum.top_eigenvalues`); "density" (density_probes > 0): SLQ nodes
     and weights of `density_probes` probes x `density_iters` steps (`spectrum.spectral_density`) and "moments",
     Tr(H^p) for p = 1..`moments` with standard errors over probes (None with one probe). One HVP = one pass over
-    the batches; "num_matvecs" counts them (for the density at most: Lanczos stops on an exhausted Krylov space)."""
+    the batches; "num_matvecs" counts those computed (all steps run, even past an exhausted Krylov space)."""
     batches = [batches] if isinstance(batches, dict) else list(batches)
     hv = _hvp_batch(apply_fn)
 

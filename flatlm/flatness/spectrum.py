@@ -125,7 +125,8 @@ def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 @dataclasses.dataclass(frozen=True)
 class TopEigenvalues:
-    """The k largest Ritz values (descending), each within `residual` of an eigenvalue of H; `num_matvecs` HVPs."""
+    """The k largest Ritz values (descending), each within `residual` of an eigenvalue of H; `num_matvecs` HVPs
+    computed."""
 
     values: np.ndarray
     residual: np.ndarray
@@ -148,7 +149,7 @@ def top_eigenvalues(loss_fn: Callable[[Params], jax.Array], params: Params, key:
     alphas, betas = lanczos(mv, probe_like(key, params), m)
     theta, S = _ritz(alphas, betas)
     order = np.argsort(theta)[::-1][:k]
-    return TopEigenvalues(theta[order], np.abs(betas[-1] * S[-1, order]), len(alphas))
+    return TopEigenvalues(theta[order], np.abs(betas[-1] * S[-1, order]), m)  # m HVPs ran, whatever was kept
 
 
 def power_iteration(loss_fn: Callable[[Params], jax.Array], params: Params, key: jax.Array, num_iters: int = 200,
