@@ -25,7 +25,6 @@ def _compilation_cache_of_this_run(tmp_path_factory):
         root = tmp_path_factory.getbasetemp()
         root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, not the worker's
         os.environ["FLATLM_COMPILATION_CACHE"] = str(root / "jax-compilation-cache")
-    yield
 
 
 def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: int = 600,

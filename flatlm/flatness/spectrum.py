@@ -109,11 +109,13 @@ def _reorthogonalise(B_MN, w_N):
     """w minus its projection on the rows of B (orthonormal or zero), and its norm: one classical Gram-Schmidt
     pass, repeated once if it shrank w below 1/sqrt(2) of its norm (cancellation: the first pass's result
     then carries rounding errors along B that a second pass removes; DGKS)."""
+    def one_pass(w):
+        w = w - (B_MN @ w) @ B_MN
+        return w, jnp.linalg.norm(w)
+
     norm0 = jnp.linalg.norm(w_N)
-    w_N = w_N - (B_MN @ w_N) @ B_MN
-    norm1 = jnp.linalg.norm(w_N)
-    w_N = jax.lax.cond(norm1 < norm0 / math.sqrt(2.0), lambda w: w - (B_MN @ w) @ B_MN, lambda w: w, w_N)
-    return w_N, jnp.linalg.norm(w_N)
+    w_N, norm1 = one_pass(w_N)
+    return jax.lax.cond(norm1 < norm0 / math.sqrt(2.0), one_pass, lambda w: (w, norm1), w_N)
 
 
 def _ritz(alphas: np.ndarray, betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
