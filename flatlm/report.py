@@ -153,7 +153,19 @@ MAJORITY_MARK = " †"  # accuracy at or below the majority-class rate (+ 0.5 pp
 def _acc_cell(e: dict) -> str:
     """A probe / fine-tuning entry's `mean ± std` (%), marked when it is no better than predicting one class."""
     low = "majority" in e and e["accuracy"] <= e["majority"] + 0.005
-    return _pm(e["accuracy"], e["accuracy_std"]) + (MAJORITY_MARK if low else "")
+    lr = f" (lr {e['detail']['lr']:g})" if "lr_selection" in e.get("detail", {}) else ""  # chosen on validation
+    return _pm(e["accuracy"], e["accuracy_std"]) + lr + (MAJORITY_MARK if low else "")
+
+
+def _tuned(run: RunData, task: str, kind: str = "finetune") -> dict:
+    """{step: entry} of a run's fine-tuning results on `task` (the last of each step); kind "finetune_init" (the
+    fine-tuned initialisation, `eval.finetune.from_init`) has one step, None."""
+    return {e["step"]: e for e in run.results if e["kind"] == kind and e.get("task") == task}
+
+
+def _last(entries: dict) -> dict | None:
+    """The entry of the largest step (None counts as the only step)."""
+    return entries[max(entries, key=lambda s: -1 if s is None else s)] if entries else None
 
 
 def make_report(dirs: list[str], out: str | None = None) -> Path:
@@ -264,8 +276,10 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
                   "![rank](rank_vs_steps.png) ([pdf](rank_vs_steps.pdf))\n")
 
     # 5. Table 1/2 layout: last checkpoint of every run, plus the lookup table
+    init_tasks = [t for t in tasks if any(_tuned(r, t, "finetune_init") for r in runs)]
     header = ["run", "params", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-             [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
+             [f"fine-tune {t} (%)" for t in tasks] + [f"fine-tune {t} from init (%)" for t in init_tasks] + \
+             [estimator_label(k) for k in ests]
     rows = []
     for r in runs:
         ex = r.by_kind("exact_loss")
@@ -274,10 +288,9 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         for t in tasks:
             p = r.probe(t)
             probe_cells.append(_acc_cell(p[max(p)]) if p else "-")
-        ft_cells = []
-        for t in tasks:
-            f = {e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t}
-            ft_cells.append(_acc_cell(f[max(f)]) if f else "-")
+        ft_cells = [_acc_cell(_last(_tuned(r, t))) if _tuned(r, t) else "-" for t in tasks]
+        ft_cells += [_acc_cell(_last(_tuned(r, t, "finetune_init"))) if _tuned(r, t, "finetune_init") else "-"
+                     for t in init_tasks]
         tr = [f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
               for fl in (r.flatness(k) for k in ests)]
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
@@ -290,17 +303,18 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
             cells[tasks.index(t)] = _pm(look[-1]["accuracy"], look[-1]["accuracy_std"])
             ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
             rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
-                         *(["-"] * len(tasks)), *(["-"] * len(ests))])
+                         *(["-"] * (len(tasks) + len(init_tasks))), *(["-"] * len(ests))])
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]
     if any(MAJORITY_MARK in c for row in rows for c in row):
         md.append(f"\n{MAJORITY_MARK.strip()} at or below the majority-class rate of its split (within 0.5 pp): the "
                   "head predicts (almost) one class, so this accuracy carries no signal about the encoder.")
-    seed_rows = seed_table(runs, tasks)
+    seed_rows = seed_table(runs, tasks, init_tasks)
     if seed_rows:
         head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \
-               [f"fine-tune {t} (%)" for t in tasks] + [estimator_label(k) for k in ests]
+               [f"fine-tune {t} (%)" for t in tasks] + [f"fine-tune {t} from init (%)" for t in init_tasks] + \
+               [estimator_label(k) for k in ests]
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
@@ -313,13 +327,13 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
 
 
 def _last_value(entries: dict, key: str) -> float | None:
-    return float(entries[max(entries)][key]) if entries else None
+    return float(_last(entries)[key]) if entries else None
 
 
-def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
+def seed_table(runs: list[RunData], tasks: list[str], init_tasks: list[str] = ()) -> list[list[str]]:
     """Rows of mean ± std over pre-training seeds for runs named `<name>-seed<k>` (groups of >= 2 runs): the
-    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds) and one
-    flatness column per estimator (`estimators`)."""
+    last checkpoint's exact loss, KL, probe / fine-tuning accuracy (each run's mean over its own seeds), the
+    fine-tuned initialisation's on `init_tasks`, and one flatness column per estimator (`estimators`)."""
     groups: dict[str, list[RunData]] = {}
     for r in runs:
         m = SEED_SUFFIX.match(r.name)
@@ -339,8 +353,9 @@ def seed_table(runs: list[RunData], tasks: list[str]) -> list[list[str]]:
         row = [name, str(len(members)), cell([_last_value(e, "loss") for e in ex], lambda x: f"{x:.4f}"),
                cell([_last_value(e, "kl") for e in ex], lambda x: f"{x:.2e}")]
         row += [cell([_last_value(r.probe(t), "accuracy") for r in members], pct) for t in tasks]
-        row += [cell([_last_value({e["step"]: e for e in r.results if e["kind"] == "finetune" and e.get("task") == t},
-                                  "accuracy") for r in members], pct) for t in tasks]
+        row += [cell([_last_value(_tuned(r, t), "accuracy") for r in members], pct) for t in tasks]
+        row += [cell([_last_value(_tuned(r, t, "finetune_init"), "accuracy") for r in members], pct)
+                for t in init_tasks]
         row += [cell([_last_value(r.flatness(k), "trace") for r in members], lambda x: f"{x:.4g}")
                 for k in estimators(runs)]
         rows.append(row)

@@ -52,6 +52,10 @@ def validate(config, num_devices: int | None = None) -> None:
     ckpt.validate_config(config.checkpoint)
     check_positive(config.eval, "eval", "num_subsets", "batch_size")
     check_choice(config.eval.get("loss_average", "token"), ("token", "sentence"), "eval.loss_average")
+    grid = config.eval.finetune.get("lr_grid", ())
+    if any(isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0 for lr in grid):
+        raise UserError(f"config.eval.finetune.lr_grid={tuple(grid)} must hold positive learning rates, e.g. "
+                        "--config.eval.finetune.lr_grid=[1e-4,1e-3,1e-2]; () for the fixed eval.finetune.lr")
     if config.data.eval_size < config.eval.num_subsets:
         raise UserError(f"config.data.eval_size={config.data.eval_size} is smaller than eval.num_subsets="
                         f"{config.eval.num_subsets} (the exact loss's std is over that many subsets); raise it")
@@ -240,6 +244,15 @@ class Run:
         """ShapeDtypeStructs of the parameters, with their shardings."""
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             nn.unbox(self.abstract_boxed), self.param_shardings)
+
+    def init_params(self) -> dict:
+        """The parameters training starts from (`model.init` with the run's seed, as `flatlm.train.loop` draws them;
+        under `train.stacking` the final depth's, which training never held), placed with the run's shardings:
+        fine-tuning them is the "no pre-training" control (`eval.finetune.from_init`)."""
+        tokens = jnp.zeros((2, self.language.max_length), jnp.int32)
+        init = lambda key: nn.unbox(self.model.init(key, tokens)["params"])  # noqa: E731
+        with self.mesh, nn.logical_axis_rules(self.rules):
+            return jax.jit(init, out_shardings=self.param_shardings)(jax.random.key(self.config.seed))
 
     def eval_batches(self, batch_size: int | None = None, limit: int | None = None):
         """Validation batches (tokens, length, exact conditionals q), in order: all of them in every process, so

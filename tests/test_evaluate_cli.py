@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from conftest import REPO, run_cli
@@ -65,3 +66,50 @@ def test_bad_steps_and_workdirs_are_user_errors(tmp_path, trained):
     assert proc.returncode == 2 and "not a flatlm run" in proc.stderr
     proc = run_cli("evaluate", "--workdir", str(trained), "--task", "k99")
     assert proc.returncode == 2 and "task-1 .. task-8" in proc.stderr
+
+
+def test_eval_overrides_choose_the_rate_and_fine_tune_the_initialisation(trained):
+    """A new fine-tuning protocol on a trained run: the rate chosen on validation and the "no pre-training"
+    control, whose input must be exactly the weights training started from (rebuilt here by the train loop's
+    own `init_state`, then fine-tuned in this process as the reference)."""
+    stored = (trained / "config.json").read_text()
+    proc = run_cli("evaluate", "--workdir", str(trained), "--steps", "20", "--no-probe", "--no-lookup", "--quiet",
+                   "--json", "--config.eval.finetune.lr_grid=[1e-3,1e-2]", "--config.eval.finetune.from_init=true")
+    assert proc.returncode == 0, proc.stderr
+    assert (trained / "config.json").read_text() == stored  # how it was evaluated lives in the entries
+    out = json.loads(proc.stdout)
+    kinds = {(e["kind"], e["step"]) for e in out["entries"]}
+    assert kinds == {("exact_loss", 20), ("finetune", 20), ("finetune_init", None)}
+    assert any(r["step"] == "init" and "finetune:k3" in r for r in out["rows"])
+    saved = {e["kind"]: e for e in results.load(str(trained)) if e["kind"] in ("finetune", "finetune_init")
+             and e["detail"]["config"].get("lr_grid")}
+    assert set(saved) == {"finetune", "finetune_init"}
+    for e in saved.values():
+        assert e["detail"]["lr"] in (1e-3, 1e-2) and e["detail"]["lr_selection"]["grid"] == [1e-3, 1e-2]
+
+    from flatlm.evaluate.finetune import FinetuneConfig, finetune  # reason: the reference, in this process
+    from flatlm.train.loop import init_state, train_setup
+
+    run = load_run(str(trained))
+    start = init_state(run, train_setup(run))["params"]
+    jax.tree.map(np.testing.assert_array_equal, run.init_params(), start)
+    task = run.load_task("k3", quiet=True)
+    c = run.config
+    ref = finetune(run.apply_fn, start, {s: v["tokens"] for s, v in task.items()},
+                   {s: v["label"] for s, v in task.items()},
+                   FinetuneConfig(**{**c.eval.finetune, "lr_grid": (1e-3, 1e-2), "from_init": True}, seed=c.seed),
+                   num_classes=run.num_classes("k3"), num_words=run.num_words, max_len=run.language.max_length + 1,
+                   progress=False)
+    assert saved["finetune_init"]["detail"]["accuracy"] == ref["accuracy"]
+
+
+def test_evaluate_refuses_overrides_outside_the_eval_section(trained):
+    n = len(results.load(str(trained)))
+    for bad, message in (("--config.model.d_model=8", "eval section only"),
+                         ("--config.eval.finetune.lr_grid=[0.001,-1.0]", "positive learning rates"),
+                         ("--config.eval.finetune.lr_grd=[0.001]", "did you mean 'lr_grid'"),
+                         ("--frobnicate", "unrecognised argument")):
+        proc = run_cli("evaluate", "--workdir", str(trained), "--steps", "last", bad)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (bad, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert len(results.load(str(trained))) == n  # nothing measured, nothing written

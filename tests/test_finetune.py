@@ -72,3 +72,47 @@ def test_finetune_bilstm():
                       ft.FinetuneConfig(epochs=2, batch_size=32, num_seeds=1), num_words=V, max_len=T + 1,
                       progress=False)
     assert 0.0 <= out["accuracy"]["train"]["mean"] <= 1.0 and "encoder/head/kernel" in out["frozen"]
+
+
+def _splits(n_train=192, n_eval=96):
+    tok, y = _data(n_train + 2 * n_eval, seed=1)
+    cut = {"train": slice(0, n_train), "validation": slice(n_train, n_train + n_eval),
+           "test": slice(n_train + n_eval, None)}
+    return {s: tok[c] for s, c in cut.items()}, {s: y[c] for s, c in cut.items()}
+
+
+def test_lr_grid_keeps_the_rate_with_the_best_validation_accuracy():
+    """Reference: the same fine-tuning at each fixed rate, one call per rate; the grid's per-rate accuracies must be
+    those calls' exactly, the chosen rate the argmax of the validation means, and every rate one compile."""
+    model = Bert(BertConfig(num_words=V, max_len=T + 1, d_model=16, num_layers=1, num_heads=2))
+    params = _init(model, T + 1)
+    tokens, labels = _splits()
+    base = dict(epochs=3, batch_size=32, warmup_steps=2, num_seeds=2)
+    grid = (1e-5, 3e-3, 3e-4)  # the tiny rate cannot learn the rule in 18 steps; the order is not the answer's
+    compiles = ft._finetune_epoch._cache_size()
+    out = ft.finetune(model.apply, params, tokens, labels, ft.FinetuneConfig(**base, lr_grid=grid), num_words=V,
+                      max_len=T + 1, progress=False)
+    assert ft._finetune_epoch._cache_size() - compiles <= 1  # the rate is traced, not a new program
+    json.dumps(out)
+    fixed = [ft.finetune(model.apply, params, tokens, labels, ft.FinetuneConfig(**base, lr=lr), num_words=V,
+                         max_len=T + 1, progress=False) for lr in grid]
+    assert ft._finetune_epoch._cache_size() - compiles <= 1
+    assert out["lr_selection"]["grid"] == list(grid)
+    for per_lr, ref in zip(out["lr_selection"]["accuracy"], fixed):
+        assert per_lr == ref["accuracy"]
+    val = [ref["accuracy"]["validation"]["mean"] for ref in fixed]
+    best = int(np.argmax(val))
+    assert val[0] < max(val)  # the check has teeth: the rates differ on validation
+    assert out["lr"] == grid[best] and out["accuracy"] == fixed[best]["accuracy"]
+    assert out["config"]["lr_grid"] == grid and "lr_grid" not in fixed[0]["config"]
+
+
+def test_lr_grid_needs_validation_and_test_and_positive_rates():
+    model = Bert(BertConfig(num_words=V, max_len=T + 1, d_model=16, num_layers=1))
+    tokens, labels = _splits()
+    no_test = {s: tokens[s] for s in ("train", "validation")}
+    with pytest.raises(UserError, match="chooses the rate on a 'validation' split and reports 'test'"):
+        ft.finetune(model.apply, None, no_test, labels, ft.FinetuneConfig(lr_grid=(1e-3, 1e-2)), num_words=V,
+                    max_len=T + 1, progress=False)
+    with pytest.raises(UserError, match="positive learning rates"):
+        ft.FinetuneConfig(lr_grid=(1e-3, 0.0))

@@ -10,6 +10,13 @@ head init, minibatch order and dropout.
 
 Parameters that the classifier never reads (the MLM head) are found by tracing `features` (`unused_leaves`)
 and frozen (no weight decay either), so the returned encoder differs only where fine-tuning acted.
+
+Learning rate: the paper fixes it (1e-4, A.4; `lr`). With `lr_grid` flatlm instead fine-tunes every seed at every
+rate of the grid, keeps the rate whose mean *validation* accuracy is highest and reports that rate's accuracies
+(the test split is never looked at to choose). Why: one fixed step does not suit every model. On the cpu presets'
+small models the paper's 1e-4 (and the presets' 1e-3) barely moves pre-trained weights, whose norms are several
+times a fresh initialisation's, so fine-tuning from a pre-trained and from a random encoder end at the same
+accuracy (docs/experiments/flatness_seeking-cpu). Costs len(lr_grid) times the fixed-rate fine-tuning.
 """
 
 from __future__ import annotations
@@ -55,6 +62,13 @@ class FinetuneConfig:
     head_init_std: float = 0.02
     seed: int = 0  # seeds are seed, seed + 1, ..., seed + num_seeds - 1
     eval_batch_size: int = 1024
+    lr_grid: tuple[float, ...] = ()  # () -> the fixed `lr` (paper); else choose among these on validation
+    from_init: bool = False  # the runner also fine-tunes the run's initialisation (control); not read here
+
+    def __post_init__(self):
+        object.__setattr__(self, "lr_grid", tuple(float(lr) for lr in self.lr_grid))
+        if any(not lr > 0 for lr in self.lr_grid):
+            raise UserError(f"eval.finetune.lr_grid must hold positive learning rates; got {self.lr_grid}")
 
     @property
     def seeds(self) -> list[int]:
@@ -105,10 +119,11 @@ def unused_leaves(fn, params) -> list[str]:
     return [_path_name(path) for (path, _), v in zip(leaves, jaxpr.invars) if v not in live]
 
 
-def _finetune_optimizer(c: FinetuneConfig, n: int, frozen: tuple[str, ...]) -> optax.GradientTransformation:
-    """Clip, AdamW (decay on weights), then zero updates of the frozen leaves; a pure function of its args."""
+def _finetune_optimizer(c: FinetuneConfig, n: int, frozen: tuple[str, ...], lr) -> optax.GradientTransformation:
+    """Clip, AdamW (decay on weights), then zero updates of the frozen leaves; a pure function of its args.
+    `lr` (the peak rate) may be traced, so one compile serves every rate of `lr_grid`."""
     steps = -(-n // min(c.batch_size, n))
-    schedule = warmup_linear_decay(c.lr, c.warmup_steps, steps * c.epochs, c.end_learning_rate)
+    schedule = warmup_linear_decay(lr, c.warmup_steps, steps * c.epochs, c.end_learning_rate)
     is_frozen = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: _path_name(p) in frozen, params)
     parts = [optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=c.weight_decay, mask=_decay_mask),
              optax.masked(optax.set_to_zero(), is_frozen)]
@@ -134,13 +149,13 @@ def _loss(params, apply_fn: ApplyFn, tokens_BT, y_B, w_B, key, dropout: float):
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "config", "frozen"), donate_argnums=(0, 1))
-def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, *, apply_fn, config, frozen):
-    """One epoch: a lax.scan over minibatches. Module-level, so seeds and checkpoints share one compile."""
+def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, lr, *, apply_fn, config, frozen):
+    """One epoch: a lax.scan over minibatches. Module-level, so seeds, rates and checkpoints share one compile."""
     c = config
     n = x_NT.shape[0]
     bs = min(c.batch_size, n)
     steps = -(-n // bs)
-    tx = _finetune_optimizer(c, n, frozen)
+    tx = _finetune_optimizer(c, n, frozen, lr)
     w_XB = (jnp.arange(steps * bs) < n).astype(jnp.float32).reshape(steps, bs)
     idx_XB = epoch_indices(perm_key, epoch, n, bs)
     ekey = jax.random.fold_in(drop_key, epoch)
@@ -182,17 +197,22 @@ def finetune(
 
     num_words: the pre-training vocabulary V (CLS is id V + 2); max_len: the model's positions, which must hold
     CLS + T. tokens: split -> int[N, T] *without* CLS (it is prepended here); labels: split -> int[N]; "train" is
-    required, other splits are only evaluated (with dropout off). Returns a JSON-able dict {"accuracy":
-    {split: {"mean", "std", "per_seed"}}, "final_loss", "frozen", "seeds", ...}; with `return_params`, also
-    the list of fine-tuned parameter trees {"encoder": ..., "head": {"w": [D, C], "b": [C]}}, one per seed.
-    `params` itself is never modified.
+    required, other splits are only evaluated (with dropout off); `config.lr_grid` also needs "validation" (to
+    choose on) and "test" (to report). Returns a JSON-able dict {"accuracy": {split: {"mean", "std",
+    "per_seed"}}, "lr", "final_loss", "frozen", "seeds", ...}, with a grid also "lr_selection" {"split", "grid",
+    "accuracy": [per rate {split: summary}]}; with `return_params`, also the list of fine-tuned parameter trees
+    {"encoder": ..., "head": {"w": [D, C], "b": [C]}}, one per seed (at the chosen rate). `params` itself is never
+    modified.
     """
     if "train" not in tokens:
         raise ValueError(f"finetune needs a 'train' split; got {sorted(tokens)}")
+    c = config
+    if c.lr_grid and not {"validation", "test"} <= set(tokens):
+        raise UserError(f"eval.finetune.lr_grid chooses the rate on a 'validation' split and reports 'test', but the "
+                        f"task has splits {sorted(tokens)}; use a fixed rate (eval.finetune.lr_grid=()) here")
     for tok in tokens.values():
         check_max_len(max_len, np.shape(tok)[1])
     t0 = time.perf_counter()
-    c = config
     toks = {split: add_cls(tok, num_words) for split, tok in tokens.items()}
     ys = {split: np.asarray(y, np.int32) for split, y in labels.items()}
     num_classes = num_classes or infer_num_classes(labels)
@@ -202,44 +222,62 @@ def finetune(
     features = lambda p: apply_fn({"params": p}, x_NT[:1], method="features")
     d_model = jax.eval_shape(features, params).shape[-1]
     frozen = tuple("encoder/" + name for name in unused_leaves(features, params))
-    tx = _finetune_optimizer(c, n, frozen)
+    tx = _finetune_optimizer(c, n, frozen, c.lr)  # init only: its state does not depend on the rate
     chunk = min(c.eval_batch_size, max(len(y) for y in ys.values()))
     # the epoch function is compiled per (apply_fn, config, shapes): drop the fields it does not read
-    epoch_cfg = dataclasses.replace(c, enabled=True, seed=0, num_seeds=1, eval_batch_size=0)
+    epoch_cfg = dataclasses.replace(c, enabled=True, seed=0, num_seeds=1, eval_batch_size=0, lr=0.0, lr_grid=(),
+                                    from_init=False)
 
-    per_seed_acc = {split: [] for split in toks}
-    final_loss, tuned = [], []
-    for seed in c.seeds:
-        key = jax.random.key(seed)
-        init_key, perm_key, drop_key = (jax.random.fold_in(key, i) for i in range(3))
-        head = {"w": c.head_init_std * jax.random.normal(init_key, (d_model, num_classes), jnp.float32),
-                "b": jnp.zeros((num_classes,), jnp.float32)}
-        # a private copy of the encoder: the epoch function donates its buffers
-        p = {"encoder": jax.tree.map(jnp.array, params), "head": head}
-        opt = tx.init(p)
-        loss = jnp.nan
-        bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}", disable=not progress, leave=False)
-        for epoch in bar:
-            p, opt, loss = _finetune_epoch(p, opt, x_NT, y_N, perm_key, drop_key, epoch,
-                                           apply_fn=apply_fn, config=epoch_cfg, frozen=frozen)
-            if progress:
-                bar.set_postfix(loss=f"{float(loss):.4f}")
-        final_loss.append(float(loss))
-        for split in toks:
-            correct = sum(_correct_chunk(apply_fn, p, t, y, valid)
-                          for valid, t, y in chunks(len(ys[split]), chunk, toks[split], ys[split]))
-            per_seed_acc[split].append(int(correct) / len(ys[split]))
-        if return_params:
-            tuned.append(p)
+    def run_seeds(lr: float, tag: str):
+        """Every seed at peak rate `lr`: ({split: per-seed accuracy}, per-seed final loss, tuned trees)."""
+        acc = {split: [] for split in toks}
+        final_loss, tuned = [], []
+        for seed in c.seeds:
+            key = jax.random.key(seed)
+            init_key, perm_key, drop_key = (jax.random.fold_in(key, i) for i in range(3))
+            head = {"w": c.head_init_std * jax.random.normal(init_key, (d_model, num_classes), jnp.float32),
+                    "b": jnp.zeros((num_classes,), jnp.float32)}
+            # a private copy of the encoder: the epoch function donates its buffers
+            p = {"encoder": jax.tree.map(jnp.array, params), "head": head}
+            opt = tx.init(p)
+            loss = jnp.nan
+            bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}{tag}", disable=not progress, leave=False)
+            for epoch in bar:
+                p, opt, loss = _finetune_epoch(p, opt, x_NT, y_N, perm_key, drop_key, epoch, jnp.float32(lr),
+                                               apply_fn=apply_fn, config=epoch_cfg, frozen=frozen)
+                if progress:
+                    bar.set_postfix(loss=f"{float(loss):.4f}")
+            final_loss.append(float(loss))
+            for split in toks:
+                correct = sum(_correct_chunk(apply_fn, p, t, y, valid)
+                              for valid, t, y in chunks(len(ys[split]), chunk, toks[split], ys[split]))
+                acc[split].append(int(correct) / len(ys[split]))
+            if return_params:
+                tuned.append(p)
+        return acc, final_loss, tuned
+
+    grid = c.lr_grid or (c.lr,)
+    best, per_lr = None, []
+    for lr in grid:
+        acc, final_loss, tuned = run_seeds(lr, f" lr {lr:g}" if c.lr_grid else "")
+        per_lr.append({split: summarize(v) for split, v in acc.items()})
+        # the first rate with the highest mean validation accuracy (ties keep the earlier rate of the grid)
+        if best is None or np.mean(acc.get("validation", [0.0])) > np.mean(best[1].get("validation", [0.0])):
+            best = (lr, acc, final_loss, tuned)
+    lr, acc, final_loss, tuned = best
     out = {
         "kind": "finetune",
-        "accuracy": {split: summarize(v) for split, v in per_seed_acc.items()},
+        "accuracy": {split: summarize(v) for split, v in acc.items()},
+        "lr": lr,
         "final_loss": summarize(final_loss) if c.epochs else None,
         "frozen": list(frozen),
         "seeds": c.seeds,
         "num_classes": num_classes,
         "num_examples": {split: len(y) for split, y in ys.items()},
-        "config": dataclasses.asdict(c),
+        # the fields added after results existed only when set, so an unchanged protocol keeps its identity
+        "config": {k: v for k, v in dataclasses.asdict(c).items() if k not in ("lr_grid", "from_init") or v},
         "seconds": time.perf_counter() - t0,
     }
+    if c.lr_grid:
+        out["lr_selection"] = {"split": "validation", "grid": list(grid), "accuracy": per_lr}
     return (out, tuned) if return_params else out

@@ -7,6 +7,8 @@ Results are appended to the run's `results.json` (a re-measurement replaces the 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import os
 import sys
@@ -17,8 +19,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from flatlm import config as config_lib
 from flatlm import locks, paths
 from flatlm import results as results_lib
+from flatlm.errors import UserError
 from flatlm.evaluate.exact_loss import exact_loss
 from flatlm.evaluate.finetune import FinetuneConfig, finetune
 from flatlm.evaluate.lookup import run_lookup_probe
@@ -55,20 +59,34 @@ def feature_cache_dir(workdir: str) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "flatlm", "features", digest)
 
 
+def with_eval_overrides(config, overrides) -> object:
+    """A copy of a run's config with `--config.eval.a.b=value` overrides applied: how a run is evaluated may change
+    after training (e.g. the fine-tuning protocol), what was trained may not, so other sections are refused."""
+    bad = [o for o in overrides if not o.removeprefix("--").removeprefix("config.").startswith("eval.")]
+    if bad:
+        raise UserError(f"{bad[0]!r}: evaluating a trained run takes overrides of its eval section only "
+                        "(--config.eval.X=Y); train a new run to change anything else")
+    return config_lib.apply_overrides(copy.deepcopy(config), list(overrides))
+
+
 def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str, ...] = (), probe: bool = True,
                  finetune_: bool | None = None, lookup: bool | None = None, exact: bool = True,
-                 progress: bool = True) -> list[dict]:
+                 progress: bool = True, overrides: tuple[str, ...] = ()) -> list[dict]:
     """Evaluate checkpoints `steps` (default: all) of the run in `workdir`; returns the new entries, which are
-    also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section.
+    also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section, after
+    `overrides` of that section (`with_eval_overrides`; each entry's `detail` records the settings it used).
+    With `eval.finetune.from_init`, the run's initialisation is also fine-tuned once ("finetune_init", step None).
     Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     # no dir: load_run says why; in a multi-host run process 0 holds the lock for all (only it writes)
     with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir) and jax.process_index() == 0):
-        return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, exact, progress)
+        return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, exact, progress, overrides)
 
 
 def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, exact: bool,
-                  progress: bool) -> list[dict]:
+                  progress: bool, overrides) -> list[dict]:
     run = load_run(workdir, quiet=not progress)
+    if overrides:
+        run = dataclasses.replace(run, config=with_eval_overrides(run.config, overrides))
     c = run.config
     chosen = run.steps if steps is None else list(steps)
     names = tuple(tasks) or run.task_names()
@@ -78,6 +96,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
     probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
+    ft_cfg = FinetuneConfig(**c.eval.finetune, seed=c.seed)
     cache = feature_cache_dir(workdir)
     entries: list[dict] = []
 
@@ -94,6 +113,16 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
                                    cache_dir=cache, num_classes=classes[t], progress=progress)
             add({"kind": "lookup_table", "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
+
+    def tune(params, t):
+        return finetune(run.apply_fn, params, split(t, "tokens"), split(t, "label"), ft_cfg, num_classes=classes[t],
+                        num_words=run.num_words, max_len=run.language.max_length + 1, progress=progress)
+
+    if do_ft and ft_cfg.from_init:  # the control: the same fine-tuning from the weights training started at
+        params0 = run.init_params()
+        for t in names:
+            out = tune(params0, t)
+            add({"kind": "finetune_init", "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
     for step, params in run.checkpoint_params(tqdm(chosen, desc="checkpoints", disable=not progress,
                                                    file=sys.stderr)):
         clock[0] = time.perf_counter()  # restoring the checkpoint is not the first measurement's time
@@ -105,22 +134,21 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
                                        step=step, cache_dir=cache, num_classes=classes[t], progress=progress)
                 add({"kind": "probe", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
             if do_ft:
-                out = finetune(run.apply_fn, params, split(t, "tokens"), split(t, "label"),
-                               FinetuneConfig(**c.eval.finetune, seed=c.seed), num_classes=classes[t],
-                               num_words=run.num_words, max_len=run.language.max_length + 1, progress=progress)
+                out = tune(params, t)
                 add({"kind": "finetune", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
     return entries
 
 
 def table_rows(entries: list[dict]) -> list[dict]:
-    """One row per step (the lookup table as its own row): exact loss and KL, then `<kind>:<task>` accuracies."""
+    """One row per step (the lookup table and the fine-tuned initialisation as rows of their own): exact loss and
+    KL, then `<kind>:<task>` accuracies."""
     rows: dict = {}
     for e in entries:
-        key = "lookup" if e["kind"] == "lookup_table" else e["step"]
+        key = {"lookup_table": "lookup", "finetune_init": "init"}.get(e["kind"], e["step"])
         row = rows.setdefault(key, {"step": key})
         if e["kind"] == "exact_loss":
             row.update(loss=e["loss"], entropy=e["entropy"], kl=e["kl"], log_kl=e["log_kl"])
         elif "accuracy" in e:
-            kind = "probe" if e["kind"] in ("probe", "lookup_table") else e["kind"]
+            kind = {"lookup_table": "probe", "finetune_init": "finetune"}.get(e["kind"], e["kind"])
             row[f"{kind}:{e['task']}"] = f"{100 * e['accuracy']:.1f}±{100 * e['accuracy_std']:.1f}"
     return list(rows.values())
