@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.stats import spearmanr
 
-from flatlm import paths, report_stacking
+from flatlm import paths, report_paired, report_stacking
 from flatlm import report_plots as plots
 from flatlm import results as results_lib
 from flatlm.config import load_workdir_config
@@ -321,6 +321,9 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     stacked = report_stacking.sections(runs)  # runs with train.stacking: compute used, arms vs plain
     if stacked:
         md += ["", *stacked]
+    else:  # an experiment's arms over seeds against its first arm (flatlm.report_paired)
+        md += report_paired.arms_vs_control(runs)
+    md += report_paired.pretraining_gain(runs)
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 
 

@@ -23,7 +23,8 @@ LAYERS = [
     ("flatlm.run",),  # open a workdir: config, language, data, model, parameters (no optimizer)
     ("flatlm.evaluate",),  # evaluators of (apply_fn, params): exact loss, probe, fine-tuning
     ("flatlm.train", "flatlm.flatness"),
-    ("flatlm.experiment", "flatlm.report", "flatlm.report_plots", "flatlm.report_stacking", "flatlm.demo",
+    ("flatlm.experiment", "flatlm.report", "flatlm.report_plots", "flatlm.report_stacking", "flatlm.report_paired",
+     "flatlm.demo",
      "flatlm.theory", "flatlm.claims", "flatlm.reproduce"),
     ("flatlm.cli",),
 ]

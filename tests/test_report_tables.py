@@ -50,3 +50,49 @@ def test_no_init_column_without_the_control(tmp_path):
     md = report.make_report([str(wd)], str(tmp_path / "out")).read_text()
     head, row = _table(md, "## Table (last checkpoint")
     assert "from init" not in " ".join(head) and row[head.index("fine-tune A (%)")] == "70.0 ± 0.0"
+
+
+def _run_data(name, loss, probe, tuned, init=None):
+    from flatlm.report import RunData
+
+    res = [{"kind": "exact_loss", "step": 50, "loss": loss, "kl": 0.01, "loss_std": 0.002},
+           {"kind": "probe", "step": 50, "task": "k4", "accuracy": probe},
+           {"kind": "finetune", "step": 50, "task": "k4", "accuracy": tuned}]
+    if init is not None:
+        res.append({"kind": "finetune_init", "step": None, "task": "k4", "accuracy": init})
+    return RunData(name=name, path=None, config={}, evals=[], results=res)
+
+
+def _ci(d, scale=100.0):
+    from scipy import stats
+
+    d = np.asarray(d)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    return f"{scale * d.mean():+.3g} [{scale * (d.mean() - half):+.3g}, {scale * (d.mean() + half):+.3g}]"
+
+
+def test_arms_against_the_first_arm_and_the_gain_over_init():
+    """Paired effects by hand (scipy's t quantile): every arm against the first arm in run order, and fine-tuning
+    minus the fine-tuned initialisation within each arm."""
+    from flatlm import report_paired
+
+    tuned = {"adamw": [0.50, 0.55, 0.52], "sam": [0.53, 0.56, 0.50]}
+    init = {"adamw": [0.49, 0.50, 0.47], "sam": [0.49, 0.50, 0.47]}
+    loss = {"adamw": [1.000, 1.001, 1.002], "sam": [1.001, 1.030, 1.002]}  # sam seed 1: not the same loss
+    runs = [_run_data(f"{arm}-seed{s}", loss[arm][s], 0.4 + 0.01 * s, tuned[arm][s], init[arm][s])
+            for arm in ("adamw", "sam") for s in range(3)]
+    md = report_paired.arms_vs_control(runs)
+    assert "## Paired against adamw" in md[0]
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| sam")]
+    assert row[1:3] == ["3", "2 of 3"]
+    assert row[3] == _ci(np.subtract(loss["sam"], loss["adamw"]), 1.0)
+    assert row[5] == _ci(np.subtract(tuned["sam"], tuned["adamw"]))
+    assert row[4] == "+0 [+0, +0]" and row[6] == "-"  # equal probes; no trace measured
+    gain = report_paired.pretraining_gain(runs)
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in gain
+            if r.startswith("| ") and not r.startswith("| arm")}
+    for arm in ("adamw", "sam"):
+        assert rows[arm][1:5] == ["k4", "3", f"{100 * np.mean(tuned[arm]):.1f}", f"{100 * np.mean(init[arm]):.1f}"]
+        assert rows[arm][5] == _ci(np.subtract(tuned[arm], init[arm]))
+    assert report_paired.pretraining_gain([_run_data("x-seed0", 1.0, 0.4, 0.5)]) == []  # no control measured
+    assert report_paired.arms_vs_control(runs[:3]) == []  # one arm: nothing to compare

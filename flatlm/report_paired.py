@@ -1,0 +1,107 @@
+"""Paired comparisons over pre-training seeds for `flatlm report`: every arm of an experiment against its control.
+
+Runs named `<arm>-seed<k>` form one group per arm; the control is the first arm in the runs' order (an experiment's
+first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's last checkpoint:
+- `arms_vs_control`: per arm, how many seed pairs are at the "same loss" (`flatlm.claims.same_loss`: both exact KL
+  <= 0.02 nats and the loss gap below max(0.005, 2 x subset std)) and the mean per-seed difference arm - control
+  with its 95% t-interval (`flatlm.claims.paired_effect`) of the exact loss, probe and fine-tuning accuracy (first
+  task) and the flatness trace (the Fisher's where measured). A difference at not-the-same loss is not the
+  paper's kind of evidence: the table says how many pairs qualify.
+- `pretraining_gain`: per arm, fine-tuning from the pre-trained weights minus fine-tuning the same run's
+  initialisation (`eval.finetune.from_init`), paired over seeds: what pre-training adds to fine-tuning at all.
+  When it is zero, the fine-tuning column says nothing about the encoder.
+"""
+
+from __future__ import annotations
+
+from flatlm import claims
+from flatlm.report_plots import SEED_SUFFIX
+
+
+def final(run) -> dict:
+    """The last checkpoint's exact loss, probe / fine-tuning accuracy (first task), the fine-tuned initialisation's
+    accuracy and the flatness trace of a `flatlm.report.RunData`."""
+    loss = run.by_kind("exact_loss")
+    if not loss:
+        return {}
+    step = max(loss)
+    at = lambda kind, s=step: [e for e in run.results if e["kind"] == kind and e["step"] == s]  # noqa: E731
+    probes, tunes = at("probe"), at("finetune")
+    task = min((e["task"] for e in probes + tunes), default=None)
+    pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)  # noqa: E731
+    traces = sorted(at("flatness"), key=lambda e: (e.get("method") != "fisher", bool(e.get("grown_to"))))
+    return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
+            "finetune_init": pick(at("finetune_init", None)),
+            "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
+            "task": task}
+
+
+def effect(control: dict, treated: dict, key: str, scale: float, key_control: str | None = None) -> str:
+    """`mean [low, high]` of treated[s][key] - control[s][key_control or key] over the seeds s both have (>= 2)."""
+    pairs = {s: (control[s].get(key_control or key), treated[s].get(key)) for s in set(control) & set(treated)}
+    pairs = {s: p for s, p in pairs.items() if None not in p}
+    if len(pairs) < 2:
+        return "-"
+    e = claims.paired_effect({s: a for s, (a, _) in pairs.items()}, {s: b for s, (_, b) in pairs.items()})
+    return f"{scale * e.mean:+.3g} [{scale * e.low:+.3g}, {scale * e.high:+.3g}]"
+
+
+def groups(runs) -> dict[str, dict[int, dict]]:
+    """{arm: {seed: `final(run)`}} in the runs' order (a run without a seed suffix is seed 0 of its own arm)."""
+    out: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        m = SEED_SUFFIX.match(r.name)
+        name, seed = (m.group(1), int(m.group(2))) if m else (r.name, 0)
+        out.setdefault(name, {})[seed] = final(r)
+    return out
+
+
+def arms_vs_control(runs, control: str | None = None, title: str | None = None) -> list[str]:
+    """Markdown lines of the arms-against-control table; none without a control arm of >= 2 seeds and another arm.
+    `control`: the arm to compare against (default: the first arm)."""
+    arms = groups(runs)
+    control = control or next(iter(arms), None)
+    base = arms.get(control, {})
+    if len(base) < 2 or len(arms) < 2:
+        return []
+    task = next((p["task"] for p in base.values() if p.get("task")), None)
+    method = next((p["method"] for p in base.values() if p.get("method")), None)
+    title = title or f"Paired against {control} (last checkpoint; arm - {control}, mean [95% t-interval] over seeds)"
+    md = [f"\n## {title}\n",
+          f"Same loss: pairs with both exact KL <= {claims.MAX_KL} nats and |loss gap| < max({claims.MIN_LOSS_GAP}, "
+          "2 x subset std) (flatlm.claims).\n",
+          f"| arm | seeds | same loss | exact loss (nats) | probe {task} (pp) | fine-tune {task} (pp) | trace "
+          f"({method or '-'}) |",
+          "|---|---|---|---|---|---|---|"]
+    for name, treated in arms.items():
+        if name == control:
+            continue
+        seeds = sorted(s for s in set(base) & set(treated) if base[s] and treated[s])
+        same = [claims.same_loss(base[s]["loss"], treated[s]["loss"]).ok for s in seeds]
+        c, t = ({s: {**d[s], "loss": d[s]["loss"]["loss"]} for s in seeds} for d in (base, treated))
+        md.append(f"| {name} | {len(seeds)} | {sum(same)} of {len(seeds)} | {effect(c, t, 'loss', 1.0)} | "
+                  f"{effect(c, t, 'probe', 100.0)} | {effect(c, t, 'finetune', 100.0)} | "
+                  f"{effect(c, t, 'trace', 1.0)} |")
+    return md
+
+
+def pretraining_gain(runs) -> list[str]:
+    """Markdown lines of the per-arm table fine-tune - fine-tune from init (none without `finetune_init` results)."""
+    rows = []
+    for name, arm in groups(runs).items():
+        have = {s: p for s, p in arm.items() if p and p.get("finetune") is not None and p.get("finetune_init")
+                is not None}
+        if not have:
+            continue
+        task = next(p["task"] for p in have.values())
+        tuned, init = (100 * sum(p[key] for p in have.values()) / len(have) for key in ("finetune", "finetune_init"))
+        rows.append(f"| {name} | {task} | {len(have)} | {tuned:.1f} | {init:.1f} | "
+                    f"{effect(have, have, 'finetune', 100.0, key_control='finetune_init')} |")
+    if not rows:
+        return []
+    return ["\n## What pre-training adds to fine-tuning (fine-tune - fine-tune from the run's initialisation; "
+            "mean [95% t-interval] over seeds)\n",
+            "The same fine-tuning (eval.finetune) from the pre-trained weights and from the weights training "
+            "started at (eval.finetune.from_init). An interval around 0 means fine-tuning accuracy carries no "
+            "information about the pre-trained encoder.\n",
+            "| arm | task | seeds | fine-tune (%) | from init (%) | gain (pp) |", "|---|---|---|---|---|---|", *rows]
