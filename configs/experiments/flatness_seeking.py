@@ -9,7 +9,7 @@ in the same-loss band; SAM lowers Tr(F) by 42 % and the penalty by 81 %, and the
 (-0.7 [-1.9, +0.5] and -0.9 [-5.4, +3.6] pp vs AdamW)), `paper` (the PCFG transformer of Figure 3).
 """
 
-from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
+from flatlm.experiment import CPU_FINETUNE, PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 METHODS = [("adamw", []),
            ("sam-rho0.05", ["--config.train.flat.method=sam", "--config.train.flat.rho=0.05"]),
@@ -27,6 +27,7 @@ def get_config(arg: str = "tiny"):
         flatness.update(num_batches=1, draws=4)
     elif preset == "cpu":
         flatness.update(num_batches=2, draws=20)
+        base.eval.finetune.update(CPU_FINETUNE)  # the rate chosen on validation, and the init control
     else:
         flatness.update(PAPER_FLATNESS)
     return experiment_config("flatness_seeking", base, METHODS, flatness=flatness,

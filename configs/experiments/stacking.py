@@ -20,7 +20,7 @@ e.g. probe A -1.4 pp [-3.0, +0.2] for midas, say nothing about the thesis); mida
 1 -> 2 growth is the same copy for both), as they must.
 """
 
-from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
+from flatlm.experiment import CPU_FINETUNE, PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 RULES = ("midas", "top", "function_preserving")
 
@@ -45,6 +45,7 @@ def get_config(arg: str = "tiny"):
         depths = (1, 2, 3)
     elif preset == "cpu":
         base.model.update(kind="bert", d_model=64, num_layers=4, dropout=0.0, attention_dropout=0.0)
+        base.eval.finetune.update(CPU_FINETUNE)  # the rate chosen on validation, and the init control
         flatness.update(num_batches=2, draws=20)
         depths = (1, 2, 3, 4)
     else:
