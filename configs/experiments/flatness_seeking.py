@@ -3,12 +3,12 @@ label-noise training vs an explicit Tr(H) penalty (`train.flat`, flatlm.train.fl
 reproduction suite's pre-training seeds, then the exact loss, probes and Tr(H) of every checkpoint. Compare runs
 only inside the "same loss" band (flatlm.claims; `flatlm report` prints the exact loss and KL of every run).
 
-Presets: `tiny` (smoke test), `cpu` (the HMM cpu language and BiLSTM of the suite, ~16 minutes on 2 cores, 10 of them fine-tuning; the
-method settings below are the literature's defaults. Measured once, docs/experiments/flatness_seeking-cpu: every run
-in the same-loss band; SAM lowers Tr(F) by 42 % and the penalty by 81 %, and the probe accuracy does not move
-(-0.7 [-1.9, +0.5] and -0.9 [-5.4, +3.6] pp vs AdamW); fine-tuning at the rate chosen on validation adds only +1.0
-to +1.7 pp over fine-tuning each run's initialisation, every interval across 0), `paper` (the PCFG transformer of
-Figure 3).
+Presets: `tiny` (smoke test), `cpu` (the HMM cpu language and BiLSTM of the suite, ~16 minutes on 2 cores, 10 of
+them fine-tuning; the method settings below are the literature's defaults. Measured once,
+docs/experiments/flatness_seeking-cpu: every run in the same-loss band; SAM lowers Tr(F) by 42 % and the penalty by
+81 %, and the probe accuracy does not move (-0.7 [-1.9, +0.5] and -0.9 [-5.4, +3.6] pp vs AdamW); fine-tuning at the
+rate chosen on validation adds only +1.0 to +1.7 pp over fine-tuning each run's initialisation, every interval
+across 0), `paper` (the PCFG transformer of Figure 3).
 """
 
 from flatlm.experiment import CPU_FINETUNE, PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
