@@ -155,16 +155,23 @@ def read_metrics(workdir: str) -> list[dict]:
 
 def result_scalars(entry: dict) -> dict[str, float]:
     """TensorBoard tags and values of one results.json entry: `probe/<task>/accuracy` (and `finetune/`,
-    `lookup_table/`), `flatness/<method>[_grown<L>x<d>]/trace`; {} for other kinds or entries without a step."""
+    `lookup_table/`), `flatness/<method>[_grown<L>x<d>]/trace`, `spectrum[_grown..]/eigenvalue_<i>` and
+    `spectrum[_grown..]/trace_H_p<p>` (Tr(H^p)); {} for other kinds or entries without a step."""
     kind, task = entry.get("kind"), entry.get("task")
     if not isinstance(entry.get("step"), int):
         return {}
     if kind in ("probe", "finetune", "lookup_table") and task and isinstance(entry.get("accuracy"), float):
         return {f"{kind}/{task}/accuracy": entry["accuracy"]}
+    grown = entry.get("grown_to")
+    suffix = f"_grown{grown[0]}x{grown[1]}" if grown else ""
     if kind == "flatness" and isinstance(entry.get("trace"), float):
-        grown = entry.get("grown_to")
-        name = entry.get("method", "unknown") + (f"_grown{grown[0]}x{grown[1]}" if grown else "")
-        return {f"flatness/{name}/trace": entry["trace"]}
+        return {f"flatness/{entry.get('method', 'unknown')}{suffix}/trace": entry["trace"]}
+    if kind == "spectrum":  # the Hessian's top eigenvalues (Lanczos) and the density's moments Tr(H^p) (SLQ)
+        top = (entry.get("top") or {}).get("values") or []
+        out = {f"spectrum{suffix}/eigenvalue_{i + 1}": float(v) for i, v in enumerate(top)}
+        for m in (entry.get("density") or {}).get("moments") or []:
+            out[f"spectrum{suffix}/trace_H_p{m['p']}"] = float(m["value"])
+        return out
     return {}
 
 
