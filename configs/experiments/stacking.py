@@ -9,10 +9,12 @@ t-intervals, and the training compute used (layer-steps and a FLOPs estimate, fl
 
 Stages grow one layer at a time with stage lengths proportional to the depth (1 : 2 : 3 ...), so every growth is a
 real choice between the rules (1 -> 2 layers is the same copy for midas and top; 2 -> 3 is not).
-Presets: `tiny` (smoke test; the PCFG tiny language, 3 layers, 60 steps), `cpu` (the HMM cpu language with BERT
-64 x 4, no dropout, 2000 steps, 8 minutes on 2 cores; measured once, docs/experiments/stacking-cpu: all 9 stacked
-runs at the same loss as plain with 0.76 of its FLOPs, probe accuracy -0.3 to -0.7 pp vs plain, every interval
-across 0), `paper` (the PCFG at paper scale, 12 layers grown over 4 stages of 3 layers; not run).
+Presets: `tiny` (smoke test; the PCFG tiny language, 3 layers, 60 steps), `cpu` (the HMM cpu language with BERT 64 x
+4, no dropout, 2000 steps, 8 minutes on 2 cores plus ~2 minutes a run of fine-tuning; measured once,
+docs/experiments/stacking-cpu: all 9 stacked runs at the same loss as plain with 0.76 of its FLOPs, probe accuracy
+-0.3 to -0.7 pp vs plain, every interval across 0; fine-tuning from the pre-trained weights is no better than from
+the initialisation, -0.8 pp [-1.9, +0.3] for plain), `paper` (the PCFG at paper scale, 12 layers grown over 4 stages
+of 3 layers; not run).
 tiny, measured once (2 seeds, 10 min 49 s wall on 2 shared CPU cores, `flatlm report`): every stacked arm used 0.80
 of plain's estimated FLOPs (140 vs 180 layer-steps) and ended 0.04 nats BELOW plain's exact loss (5.117-5.118 vs
 5.159 nats; KL 0.47 vs 0.51, far from the 0.02 band, so no pair is at the "same loss" and the accuracy differences,
