@@ -104,7 +104,7 @@ def test_lr_grid_keeps_the_rate_with_the_best_validation_accuracy():
     best = int(np.argmax(val))
     assert val[0] < max(val)  # the check has teeth: the rates differ on validation
     assert out["lr"] == grid[best] and out["accuracy"] == fixed[best]["accuracy"]
-    assert out["config"]["lr_grid"] == grid and "lr_grid" not in fixed[0]["config"]
+    assert out["config"]["lr_grid"] == list(grid) and "lr_grid" not in fixed[0]["config"]
 
 
 def test_lr_grid_needs_validation_and_test_and_positive_rates():

@@ -76,6 +76,13 @@ class FinetuneConfig:
         return [self.seed + i for i in range(self.num_seeds)]
 
 
+def recorded_config(c: FinetuneConfig) -> dict:
+    """The config as a result records it (JSON-normal: lists, not tuples). The fields added after results existed
+    appear only when set, so an unchanged protocol keeps its results' identity (`flatlm.results.identity`)."""
+    out = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("lr_grid", "from_init") or v}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
 def add_cls(tokens_NT, num_words: int) -> np.ndarray:
     """[cls, x_1..x_T]: int32[N, T + 1] with cls = V + 2."""
     tokens_NT = np.asarray(tokens_NT, np.int32)
@@ -274,8 +281,7 @@ def finetune(
         "seeds": c.seeds,
         "num_classes": num_classes,
         "num_examples": {split: len(y) for split, y in ys.items()},
-        # the fields added after results existed only when set, so an unchanged protocol keeps its identity
-        "config": {k: v for k, v in dataclasses.asdict(c).items() if k not in ("lr_grid", "from_init") or v},
+        "config": recorded_config(c),
         "seconds": time.perf_counter() - t0,
     }
     if c.lr_grid:

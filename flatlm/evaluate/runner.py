@@ -24,7 +24,7 @@ from flatlm import locks, paths
 from flatlm import results as results_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.exact_loss import exact_loss
-from flatlm.evaluate.finetune import FinetuneConfig, finetune
+from flatlm.evaluate.finetune import FinetuneConfig, finetune, recorded_config
 from flatlm.evaluate.lookup import run_lookup_probe
 from flatlm.evaluate.probe import ProbeConfig, probe_checkpoint
 from flatlm.run import Run, load_run
@@ -75,7 +75,8 @@ def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str,
     """Evaluate checkpoints `steps` (default: all) of the run in `workdir`; returns the new entries, which are
     also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section, after
     `overrides` of that section (`with_eval_overrides`; each entry's `detail` records the settings it used).
-    With `eval.finetune.from_init`, the run's initialisation is also fine-tuned once ("finetune_init", step None).
+    With `eval.finetune.from_init`, the run's initialisation is also fine-tuned ("finetune_init", step None), once
+    per task and fine-tuning protocol (a later call finds it in results.json).
     Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     # no dir: load_run says why; in a multi-host run process 0 holds the lock for all (only it writes)
     with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir) and jax.process_index() == 0):
@@ -119,8 +120,11 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
                         num_words=run.num_words, max_len=run.language.max_length + 1, progress=progress)
 
     if do_ft and ft_cfg.from_init:  # the control: the same fine-tuning from the weights training started at
-        params0 = run.init_params()
-        for t in names:
+        same = recorded_config(ft_cfg)  # measured once per protocol: a later `evaluate` of other steps reuses it
+        done = {e.get("task") for e in results_lib.load(workdir)
+                if e["kind"] == "finetune_init" and e.get("detail", {}).get("config") == same}
+        params0 = run.init_params() if set(names) - done else None
+        for t in (t for t in names if t not in done):
             out = tune(params0, t)
             add({"kind": "finetune_init", "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
     for step, params in run.checkpoint_params(tqdm(chosen, desc="checkpoints", disable=not progress,
