@@ -129,6 +129,27 @@ def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[
     return [s for s in steps if s not in have]
 
 
+def with_seeds(exp, seeds: tuple[int, ...]):
+    """A copy of `exp` whose seed-repeated runs (`<name>-seed<k>`, `experiment_config(seeds=...)`) are repeated over
+    `seeds` instead: e.g. more pre-training seeds for a lead, in a new workdir (`flatlm report` takes both dirs and
+    pairs the runs by seed). UserError for an experiment without such runs or a negative / repeated seed."""
+    from flatlm.report_plots import SEED_SUFFIX  # reason: the one spelling of `-seed<k>`; matplotlib only here
+
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise UserError(f"--seeds must list distinct non-negative seeds, e.g. 3,4,5; got {seeds}")
+    methods: dict[str, list[str]] = {}
+    for r in exp.runs:
+        m = SEED_SUFFIX.match(r["name"])
+        if not m:
+            raise UserError(f"experiment {exp.name} has run {r['name']!r} without a -seed<k> suffix; --seeds "
+                            "repeats the seed-repeated runs of an experiment whose preset lists seeds")
+        methods.setdefault(m.group(1), [o for o in r["overrides"] if not o.startswith("--config.seed=")])
+    out = copy.deepcopy(exp)
+    out.runs = [{"name": f"{n}-seed{s}", "overrides": [*o, f"--config.seed={s}"]} for n, o in methods.items()
+                for s in seeds]
+    return out
+
+
 def select_runs(exp, names: tuple[str, ...]) -> list[dict]:
     """The runs of `exp` named in `names` (all if empty), in the experiment's order; UserError for an unknown name."""
     known = [r["name"] for r in exp.runs]

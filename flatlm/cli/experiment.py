@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides
 from flatlm.errors import UserError
-from flatlm.experiment import load_experiment, run_experiment, select_runs
+from flatlm.experiment import load_experiment, run_experiment, select_runs, with_seeds
 from flatlm.table import print_json, print_table
 
 
@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
                    "an optional preset after the colon (tiny, cpu, paper; ',hmm' or ',pcfg' picks the language)")
     p.add_argument("--workdir", help="the experiment's folder (local or gs://bucket/...); required unless --list")
     p.add_argument("--list", action="store_true", help="print the experiment's run names, one per line, and exit")
+    p.add_argument("--seeds", default="", metavar="K,K,...",
+                   help="repeat the experiment's seed-repeated runs over these pre-training seeds instead of the "
+                        "preset's (e.g. 3,4,5 for more seeds in a new --workdir; `flatlm report OLD NEW` pairs all)")
     p.add_argument("--run", action="append", default=[], metavar="NAME",
                    help="run only this run (repeatable), with its evaluation and flatness: one job per run")
     add_output_flags(p)
@@ -26,6 +29,12 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """List the runs, or run (or resume) every run of the experiment (or the --run ones); print each status."""
     exp = apply_overrides(load_experiment(args.config), args.overrides, hint="--config.base.train.steps=200")
+    if args.seeds:
+        try:
+            seeds = tuple(int(k) for k in args.seeds.split(","))
+        except ValueError:
+            raise UserError(f"--seeds {args.seeds!r}: write comma-separated integers, e.g. --seeds 3,4,5") from None
+        exp = with_seeds(exp, seeds)
     if args.list:
         names = [r["name"] for r in select_runs(exp, tuple(args.run))]
         if args.json:
