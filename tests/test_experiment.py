@@ -104,3 +104,22 @@ def test_seeds_expand_runs_and_the_report_averages_over_them(tmp_path):
     assert row[:2] == ["adv", "3"]
     assert row[2] == f"{m[0]:.4f} ± {s[0]:.4f}" and row[3] == f"{m[1]:.2e} ± {s[1]:.2e}"
     assert row[4] == f"{100 * m[2]:.1f} ± {100 * s[2]:.1f}" and row[5] == "-" and row[6] == f"{m[3]:.4g} ± {s[3]:.4g}"
+
+
+def test_with_seeds_repeats_each_method_over_other_seeds():
+    """--seeds: the same methods (overrides without the old seed) over new seeds, equal to experiment_config's own
+    expansion with those seeds; bad seed lists and experiments without seed-repeated runs are one-line errors."""
+    from flatlm.config import base_config
+    from flatlm.errors import UserError
+    from flatlm.experiment import experiment_config, with_seeds
+
+    methods = [("adamw", []), ("adv-lam1", ["--config.train.adversarial.lam=1.0"])]
+    exp = experiment_config("t", base_config(), methods, seeds=(0, 1, 2))
+    more = with_seeds(exp, (3, 4))
+    assert list(more.runs) == list(experiment_config("t", base_config(), methods, seeds=(3, 4)).runs)
+    assert len(exp.runs) == 6  # the original is not modified
+    for bad in ((), (3, 3), (-1,)):
+        with pytest.raises(UserError, match="distinct non-negative"):
+            with_seeds(exp, bad)
+    with pytest.raises(UserError, match="without a -seed<k> suffix"):
+        with_seeds(experiment_config("t", base_config(), methods), (3,))
