@@ -343,6 +343,19 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     return base
 
 
+def run_dirs(folder) -> list:
+    """The run workdirs under `folder`: the folder itself if it is a run (has config.json), else an experiment's
+    runs/*/ (those with a config.json), in the order its experiment.json lists them; [] if neither."""
+    p = paths.path(folder)
+    if (p / "config.json").exists():
+        return [p]
+    found = sorted(x.parent for x in p.glob("runs/*/config.json"))
+    if (p / "experiment.json").exists():  # the experiment's own run order
+        order = [r["name"] for r in _read_json(p / "experiment.json").get("runs", [])]
+        found.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
+    return found
+
+
 def _read_json(path) -> dict:
     """A workdir's config.json, or one line saying it is damaged."""
     try:

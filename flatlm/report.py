@@ -22,7 +22,7 @@ from scipy.stats import spearmanr
 from flatlm import paths, report_paired, report_stacking
 from flatlm import report_plots as plots
 from flatlm import results as results_lib
-from flatlm.config import load_workdir_config
+from flatlm.config import load_workdir_config, run_dirs
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 from flatlm.metrics import read_metrics
@@ -95,11 +95,7 @@ def find_runs(dirs: list[str]) -> list[RunData]:
     """The runs under each dir: the dir itself if it is a run, else its experiment's runs/* in run order."""
     runs = []
     for d in dirs:
-        p = paths.path(d)
-        candidates = [p] if (p / "config.json").exists() else sorted(x.parent for x in p.glob("runs/*/config.json"))
-        if (p / "experiment.json").exists():  # the experiment's own run order
-            order = [r["name"] for r in json.loads((p / "experiment.json").read_text()).get("runs", [])]
-            candidates.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
+        candidates = run_dirs(d)
         if not candidates:
             raise UserError(f"{d} holds no flatlm run (no config.json, no runs/*/config.json)")
         for c in candidates:

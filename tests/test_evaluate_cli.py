@@ -119,3 +119,32 @@ def test_evaluate_refuses_overrides_outside_the_eval_section(trained):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (bad, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
     assert len(results.load(str(trained))) == n  # nothing measured, nothing written
+
+
+def test_evaluate_an_experiment_dir_evaluates_every_run_in_its_order(trained, tmp_path):
+    """--workdir of an experiment: each run (experiment.json's order, not the folder's) is evaluated into its own
+    results.json; two copies of one run give identical numbers. A bad override stops before any run is touched."""
+    import shutil
+
+    exp = tmp_path / "exp"
+    for name in ("a", "b"):
+        shutil.copytree(trained, exp / "runs" / name, ignore=shutil.ignore_patterns(".lock", "features"))
+    (exp / "experiment.json").write_text(json.dumps({"name": "toy", "runs": [{"name": "b"}, {"name": "a"}]}))
+    before = {n: len(results.load(str(exp / "runs" / n))) for n in ("a", "b")}
+    bad = run_cli("evaluate", "--workdir", str(exp), "--steps", "last", "--config.train.steps=5")
+    assert bad.returncode == 2 and "eval section only" in bad.stderr
+    assert {n: len(results.load(str(exp / "runs" / n))) for n in ("a", "b")} == before
+    proc = run_cli("evaluate", "--workdir", str(exp), "--steps", "last", "--no-probe", "--no-finetune",
+                   "--no-lookup", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert list(out["runs"]) == ["b", "a"]
+    losses = [[e for e in out["runs"][n]["entries"] if e["kind"] == "exact_loss"] for n in ("b", "a")]
+    assert [len(x) for x in losses] == [1, 1] and losses[0][0]["step"] == 20
+    assert losses[0][0]["loss"] == losses[1][0]["loss"] and losses[0][0]["kl"] == losses[1][0]["kl"]
+    for n in ("a", "b"):
+        saved = results.load(str(exp / "runs" / n))
+        assert saved[-1]["kind"] == "exact_loss" and saved[-1]["loss"] == losses[0][0]["loss"]
+    text = run_cli("evaluate", "--workdir", str(exp), "--steps", "last", "--no-probe", "--no-finetune",
+                   "--no-lookup", "--quiet")
+    assert text.returncode == 0 and text.stdout.index("== b") < text.stdout.index("== a"), text.stdout
