@@ -11,6 +11,7 @@ import difflib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import ml_collections
@@ -341,6 +342,10 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
         data.setdefault(section, {}).setdefault(name, value)
     _merge(base, data)
     return base
+
+
+# A run repeated over pre-training seeds is named `<name>-seed<k>` (flatlm.experiment); reports group by the name.
+SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 
 
 def run_dirs(folder) -> list:

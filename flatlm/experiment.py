@@ -25,6 +25,7 @@ from flatlm import config as config_lib
 from flatlm import locks, paths
 from flatlm import results as results_lib
 from flatlm import run as run_lib
+from flatlm.config import SEED_SUFFIX
 from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run
 from flatlm.flatness.runner import flatness_run
@@ -41,6 +42,11 @@ PAPER_FLATNESS = dict(num_batches=5, batch_size=2_000, draws=50)
 CPU_FINETUNE = dict(epochs=20, lr_grid=(1e-4, 1e-3, 1e-2), from_init=True)
 
 
+def _over_seeds(runs, seeds: tuple[int, ...]) -> list[tuple[str, list[str]]]:
+    """(name, overrides) -> one (`<name>-seed<k>`, overrides + --config.seed=k) per seed k, seed-minor."""
+    return [(f"{n}-seed{s}", [*o, f"--config.seed={s}"]) for n, o in runs for s in seeds]
+
+
 def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evaluate: bool = True,
                       flatness: dict | None = None, description: str = "",
                       seeds: tuple[int, ...] = ()) -> ml_collections.ConfigDict:
@@ -48,7 +54,7 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     pre-training seed (`--config.seed=k`: initialisation, corpus sample, data order and D1/D2 batches) as
     `<name>-seed<k>`; `flatlm report` then also tabulates mean ± std over those seeds."""
     if seeds:
-        runs = [(f"{n}-seed{s}", [*o, f"--config.seed={s}"]) for n, o in runs for s in seeds]
+        runs = _over_seeds(runs, seeds)
     c = ml_collections.ConfigDict()
     c.name = name
     c.description = description
@@ -133,8 +139,6 @@ def with_seeds(exp, seeds: tuple[int, ...]):
     """A copy of `exp` whose seed-repeated runs (`<name>-seed<k>`, `experiment_config(seeds=...)`) are repeated over
     `seeds` instead: e.g. more pre-training seeds for a lead, in a new workdir (`flatlm report` takes both dirs and
     pairs the runs by seed). UserError for an experiment without such runs or a negative / repeated seed."""
-    from flatlm.report_plots import SEED_SUFFIX  # reason: the one spelling of `-seed<k>`; matplotlib only here
-
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise UserError(f"--seeds must list distinct non-negative seeds, e.g. 3,4,5; got {seeds}")
     methods: dict[str, list[str]] = {}
@@ -145,8 +149,7 @@ def with_seeds(exp, seeds: tuple[int, ...]):
                             "repeats the seed-repeated runs of an experiment whose preset lists seeds")
         methods.setdefault(m.group(1), [o for o in r["overrides"] if not o.startswith("--config.seed=")])
     out = copy.deepcopy(exp)
-    out.runs = [{"name": f"{n}-seed{s}", "overrides": [*o, f"--config.seed={s}"]} for n, o in methods.items()
-                for s in seeds]
+    out.runs = [{"name": n, "overrides": o} for n, o in _over_seeds(methods.items(), seeds)]
     return out
 
 

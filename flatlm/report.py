@@ -284,9 +284,8 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         for t in tasks:
             p = r.probe(t)
             probe_cells.append(_acc_cell(p[max(p)]) if p else "-")
-        ft_cells = [_acc_cell(_last(_tuned(r, t))) if _tuned(r, t) else "-" for t in tasks]
-        ft_cells += [_acc_cell(_last(_tuned(r, t, "finetune_init"))) if _tuned(r, t, "finetune_init") else "-"
-                     for t in init_tasks]
+        tuned = [_last(_tuned(r, t)) for t in tasks] + [_last(_tuned(r, t, "finetune_init")) for t in init_tasks]
+        ft_cells = [_acc_cell(e) if e else "-" for e in tuned]
         tr = [f"{fl[max(fl)]['trace']:.4g} ± {fl[max(fl)]['trace_stderr']:.2g}" if fl else "-"
               for fl in (r.flatness(k) for k in ests)]
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"

@@ -15,7 +15,7 @@ first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's l
 from __future__ import annotations
 
 from flatlm import claims
-from flatlm.report_plots import SEED_SUFFIX
+from flatlm.config import SEED_SUFFIX
 
 
 def final(run) -> dict:

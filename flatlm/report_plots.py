@@ -4,7 +4,6 @@ line, the mean ± std over seeds."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +11,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
 
+from flatlm.config import SEED_SUFFIX
 from flatlm.flatness.spectrum import Density
 
-SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 FORMATS = ("png", "pdf")
 
 

@@ -249,8 +249,7 @@ class Run:
         """The parameters training starts from (`model.init` with the run's seed, as `flatlm.train.loop` draws them;
         under `train.stacking` the final depth's, which training never held), placed with the run's shardings:
         fine-tuning them is the "no pre-training" control (`eval.finetune.from_init`)."""
-        tokens = jnp.zeros((2, self.language.max_length), jnp.int32)
-        init = lambda key: nn.unbox(self.model.init(key, tokens)["params"])  # noqa: E731
+        init = lambda key: nn.unbox(init_boxed(self.model, self.language.max_length, key))  # noqa: E731
         with self.mesh, nn.logical_axis_rules(self.rules):
             return jax.jit(init, out_shardings=self.param_shardings)(jax.random.key(self.config.seed))
 
@@ -321,6 +320,12 @@ class Run:
                                     definition=c.eval.task_definition, quiet=quiet)
 
 
+def init_boxed(model: nn.Module, max_length: int, key) -> dict:
+    """The boxed parameters (with their logical axis names) of `model` drawn from `key`: the one initialisation
+    that the parameter shapes, training's starting point and the init control (`Run.init_params`) all use."""
+    return model.init(key, jnp.zeros((2, max_length), jnp.int32))["params"]
+
+
 def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False) -> Run:
     """Validate the config, then build its language, data, model, mesh and parameter shardings. `fit_mesh`: a
     mesh that does not fit the devices there are is shrunk to one that does (`flatlm.sharding.fit_mesh`; for
@@ -334,9 +339,9 @@ def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False)
     model = models.make_model(models.model_config(config.model, language.vocab_size, language.max_length + 1))
     mesh = sharding.make_mesh(config)
     rules = sharding.axis_rules(config.mesh.parallelism)
-    tokens = jnp.zeros((2, language.max_length), jnp.int32)
     with mesh, nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(lambda key: model.init(key, tokens)["params"], jax.random.key(config.seed))
+        abstract_boxed = jax.eval_shape(lambda key: init_boxed(model, language.max_length, key),
+                                        jax.random.key(config.seed))
         shardings = sharding.param_shardings(abstract_boxed, mesh, rules)
     return Run(config, workdir, language, model, mesh, rules, sources, abstract_boxed, shardings)
 

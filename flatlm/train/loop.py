@@ -36,7 +36,7 @@ from flatlm.data import pipeline
 from flatlm.errors import NonFiniteLoss, Preempted, UserError
 from flatlm.evaluate.runner import run_exact_loss
 from flatlm.metrics import MetricWriter
-from flatlm.run import Run, build_run, check_workdir, initialize_distributed
+from flatlm.run import Run, build_run, check_workdir, init_boxed, initialize_distributed
 from flatlm.train import adversarial as adv
 from flatlm.train import flat_objectives, optim, rank, stacking
 from flatlm.train.step import mlm_objective, train_step
@@ -73,8 +73,7 @@ class TrainSetup:
 
 
 def _init_boxed(key, run: Run, optimizer):
-    tokens = jnp.zeros((2, run.language.max_length), jnp.int32)
-    params = run.model.init(key, tokens)["params"]
+    params = init_boxed(run.model, run.language.max_length, key)
     return {"params": params, "opt_state": optimizer.init(params)}
 
 

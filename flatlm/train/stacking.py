@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 from flatlm import models, sharding
@@ -31,6 +30,7 @@ from flatlm.config import check_choice
 from flatlm.errors import UserError
 from flatlm.models import stacking
 from flatlm.models.bert import SHAPES
+from flatlm.run import init_boxed
 
 OPT_RULES = ("carry", "reset")
 GROWTH_SALT = 0x5374636B  # folded into the seed's key for new blocks' weights: never a step or a dropout key
@@ -94,9 +94,9 @@ def stage_run(run, num_layers: int):
     if num_layers == run.model.cfg.num_layers:
         return run
     model = models.make_model(dataclasses.replace(run.model.cfg, num_layers=num_layers))
-    tokens = jnp.zeros((2, run.language.max_length), jnp.int32)
     with run.mesh, nn.logical_axis_rules(run.rules):
-        boxed = jax.eval_shape(lambda key: model.init(key, tokens)["params"], jax.random.key(run.config.seed))
+        boxed = jax.eval_shape(lambda key: init_boxed(model, run.language.max_length, key),
+                               jax.random.key(run.config.seed))
         shardings = sharding.param_shardings(boxed, run.mesh, run.rules)
     return dataclasses.replace(run, model=model, abstract_boxed=boxed, param_shardings=shardings)
 
