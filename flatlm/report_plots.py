@@ -91,7 +91,8 @@ def accuracy_vs_steps(runs, tasks: list[str]) -> Figure:
         if look:
             ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
         ax.set(xlabel="step", ylabel="probe accuracy (%), mean ± std", title=f"task {t}")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # runs without probe results draw nothing to label
+            ax.legend(fontsize=7)
     return fig
 
 
