@@ -243,14 +243,14 @@ class Run:
     def abstract_params(self) -> dict:
         """ShapeDtypeStructs of the parameters, with their shardings."""
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            nn.unbox(self.abstract_boxed), self.param_shardings)
+                            sharding.unbox_abstract(self.abstract_boxed), self.param_shardings)
 
     def init_params(self) -> dict:
         """The parameters training starts from (`model.init` with the run's seed, as `flatlm.train.loop` draws them;
         under `train.stacking` the final depth's, which training never held), placed with the run's shardings:
         fine-tuning them is the "no pre-training" control (`eval.finetune.from_init`)."""
         init = lambda key: nn.unbox(init_boxed(self.model, self.language.max_length, key))  # noqa: E731
-        with self.mesh, nn.logical_axis_rules(self.rules):
+        with sharding.activated(self.mesh, self.rules):
             return jax.jit(init, out_shardings=self.param_shardings)(jax.random.key(self.config.seed))
 
     def eval_batches(self, batch_size: int | None = None, limit: int | None = None):
@@ -339,7 +339,7 @@ def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False)
     model = models.make_model(models.model_config(config.model, language.vocab_size, language.max_length + 1))
     mesh = sharding.make_mesh(config)
     rules = sharding.axis_rules(config.mesh.parallelism)
-    with mesh, nn.logical_axis_rules(rules):
+    with sharding.activated(mesh, rules):
         abstract_boxed = jax.eval_shape(lambda key: init_boxed(model, language.max_length, key),
                                         jax.random.key(config.seed))
         shardings = sharding.param_shardings(abstract_boxed, mesh, rules)

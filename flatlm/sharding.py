@@ -10,6 +10,8 @@ A parameter dimension that the mesh axis does not divide stays replicated, so od
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from flax import linen as nn
@@ -20,6 +22,15 @@ from flatlm.errors import UserError
 
 Rules = tuple[tuple[str, str | None], ...]
 PARALLELISM = ("dp", "fsdp", "tp")
+
+
+@contextlib.contextmanager
+def activated(mesh: Mesh, rules: Rules):
+    """`mesh` as JAX's current mesh (`jax.set_mesh`) and `rules` as Flax's logical axis rules: what makes the model's
+    `nn.with_logical_constraint`s real sharding constraints. The deprecated `with mesh:` sets no abstract mesh, and
+    Flax (0.12) then drops every activation constraint silently (tests/test_train.py checks they reach the program)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
 
 
 def mesh_shape(config, num_devices: int) -> tuple[int, int]:
@@ -102,11 +113,18 @@ def _fit(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def unbox_abstract(boxed_abstract_params):
+    """The tree without its `nn.Partitioned` boxes and without a sharding constraint (`nn.unbox` would constrain
+    the abstract shapes themselves under an active mesh, which fails: they carry no sharding)."""
+    return jax.tree.map(lambda b: b.unbox(apply_constraint=False) if isinstance(b, nn.Partitioned) else b,
+                        boxed_abstract_params, is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+
 def param_shardings(boxed_abstract_params, mesh: Mesh, rules: Rules):
     """NamedShardings for a (boxed, abstract) parameter tree from its logical axis names."""
     logical = nn.get_partition_spec(boxed_abstract_params)
     mesh_specs = nn.logical_to_mesh(logical, rules)
-    shapes = nn.unbox(boxed_abstract_params)
+    shapes = unbox_abstract(boxed_abstract_params)
     return jax.tree.map(
         lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
         mesh_specs, shapes, is_leaf=lambda s: isinstance(s, PartitionSpec),

@@ -29,8 +29,8 @@ def test_tiny_config_exact_kl_falls(tmp_path, tiny_config):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["30", "60"]
 
 
-STEP_SCRIPT = """
-import json, sys
+STEP_SCRIPT = r"""
+import json, re, sys
 import jax, numpy as np
 from flatlm.config import load_config, apply_overrides
 from flatlm.train import loop
@@ -48,13 +48,17 @@ for data, model, par in %s:
     state = loop.init_state(run, setup)
     step = loop.jit_train_step(run, setup)
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources["train"])
-    with run.mesh:
+    with sharding.activated(run.mesh, run.rules):  # as the train loop runs it
+        batch = sharding.global_batch(next(it), run.mesh)
+        hlo = step.lower(state, batch).as_text()
         for _ in range(2):
-            state, metrics = step(state, sharding.global_batch(next(it), run.mesh))
+            state, metrics = step(state, batch)
+            batch = sharding.global_batch(next(it), run.mesh)
     leaves = jax.tree.leaves(jax.device_get(state["params"]))
     spec = str(state["params"]["layer_0"]["mlp"]["wi"].sharding.spec)
+    constraints = sorted(set(re.findall(r"sharding_constraint %%\S+ <@mesh, (.*?)> : tensor<([^>]*)>", hlo)))
     results["%%dx%%d-%%s" %% (data, model, par)] = dict(loss=float(metrics["train/loss"]), spec=spec,
-        params=[np.asarray(x).ravel()[:64].tolist() for x in leaves])
+        constraints=constraints, params=[np.asarray(x).ravel()[:64].tolist() for x in leaves])
 print("RESULT" + json.dumps(results))
 """
 
@@ -75,6 +79,12 @@ def test_train_step_is_the_same_on_1_and_8_devices(tmp_path):
     assert multi["4x2-tp"]["spec"] == "P(None, 'model')"  # mlp columns split over the model axis
     assert multi["8x1-fsdp"]["spec"] == "P('data', None)"  # embed rows split over data (FSDP)
     assert multi["8x1-dp"]["spec"] == "P(None, None)"
+    # The model's activation constraints reach the program (the legacy `with mesh:` context left them no-ops):
+    # tensor-parallel runs split the MLP's hidden [B, T, 4D] over the model axis, every run the residual stream
+    # [B, T, D] over the data axis.
+    tp_hidden = [c for c in multi["4x2-tp"]["constraints"] if c[1].endswith("x512xf32")]
+    assert tp_hidden == [['[{"data"}, {}, {"model"}]', "32x8x512xf32"]], multi["4x2-tp"]["constraints"]
+    assert ['[{"data"}, {}, {}]', "32x8x128xf32"] in multi["8x1-dp"]["constraints"]
 
 
 RESUME = ["--config.train.steps=20", "--config.checkpoint.every=10", "--config.train.eval_every=20",

@@ -14,13 +14,12 @@ import os
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from flatlm import config as config_lib
-from flatlm import locks, paths
+from flatlm import locks, paths, sharding
 from flatlm import results as results_lib
 from flatlm.errors import UserError
 from flatlm.evaluate.exact_loss import exact_loss
@@ -33,7 +32,7 @@ from flatlm.run import Run, load_run
 def run_exact_loss(run: Run, params, limit: int | None = None) -> dict:
     """Exact pre-training loss (entropy + KL, nats per masked position) on the run's validation split."""
     bs = run.config.eval.batch_size
-    with run.mesh, nn.logical_axis_rules(run.rules):
+    with sharding.activated(run.mesh, run.rules):
         return exact_loss(run.apply_fn, params, run.eval_batches(bs, limit), run.config.eval.num_subsets,
                           pad_to=bs, average=run.config.eval.get("loss_average", "token"))
 

@@ -67,7 +67,7 @@ class TrainSetup:
 
     def abstract_state(self) -> dict:
         """ShapeDtypeStructs of the whole train state, with their shardings (for restoring)."""
-        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), **nn.unbox(self.abstract_boxed)}
+        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), **sharding.unbox_abstract(self.abstract_boxed)}
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
                             self.state_shardings)
 
@@ -80,7 +80,7 @@ def _init_boxed(key, run: Run, optimizer):
 def train_setup(run: Run) -> TrainSetup:
     """The optimizer of `run.config.train` and the train state's shardings over the run's mesh."""
     optimizer = optim.optimizer(run.config.train)
-    with run.mesh, nn.logical_axis_rules(run.rules):
+    with sharding.activated(run.mesh, run.rules):
         boxed = jax.eval_shape(functools.partial(_init_boxed, run=run, optimizer=optimizer),
                                jax.random.key(run.config.seed))
         shardings = {"step": sharding.replicated(run.mesh), **sharding.param_shardings(boxed, run.mesh, run.rules)}
@@ -93,7 +93,7 @@ def init_state(run: Run, setup: TrainSetup) -> dict:
     def init(key):
         return {"step": jnp.zeros((), jnp.int32), **nn.unbox(_init_boxed(key, run, setup.optimizer))}
 
-    with run.mesh, nn.logical_axis_rules(run.rules):
+    with sharding.activated(run.mesh, run.rules):
         return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(run.config.seed))
 
 
@@ -309,7 +309,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             postfix["train_objective"] = f"{metrics['train/loss']:.4f}"
             bar.set_postfix(postfix, refresh=False)
 
-    with run.mesh, nn.logical_axis_rules(run.rules), _Preemption() as preempt:
+    with sharding.activated(run.mesh, run.rules), _Preemption() as preempt:
         for step in range(start + 1, c.train.steps + 1):
             if stages.grows_before(step):  # train.stacking: the next stage's depth
                 state, (run_s, setup) = stages.grow(state, step), stages.at(step)

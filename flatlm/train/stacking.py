@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import optax
 
@@ -94,7 +93,7 @@ def stage_run(run, num_layers: int):
     if num_layers == run.model.cfg.num_layers:
         return run
     model = models.make_model(dataclasses.replace(run.model.cfg, num_layers=num_layers))
-    with run.mesh, nn.logical_axis_rules(run.rules):
+    with sharding.activated(run.mesh, run.rules):
         boxed = jax.eval_shape(lambda key: init_boxed(model, run.language.max_length, key),
                                jax.random.key(run.config.seed))
         shardings = sharding.param_shardings(boxed, run.mesh, run.rules)
@@ -135,5 +134,5 @@ class Stages:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.run.config.seed), GROWTH_SALT), step - 1)
         fn = lambda st: grow_state(st, old_setup.optimizer, old_run.model.cfg, new_run.model.cfg.num_layers,
                                    s.rule, s.opt_state, key)
-        with self.run.mesh, nn.logical_axis_rules(self.run.rules):
+        with sharding.activated(self.run.mesh, self.run.rules):
             return jax.jit(fn, out_shardings=new_setup.state_shardings)(state)
