@@ -288,19 +288,24 @@ def restore_params(workdir: str, step: int, abstract_params):
 
     Verified first (all but the data iterator's files): a damaged step is moved aside and DamagedCheckpoint
     raised, so no evaluator reads it."""
+    return restore_parts(workdir, step, {"params": abstract_params})["params"]
+
+
+def restore_parts(workdir: str, step: int, target: dict) -> dict:
+    """The entries of the saved train state named by `target` ({"params": ..., "opt_state": ...}, each an abstract
+    tree with shardings), the rest left on disk; verified first, as `restore_params`."""
 
     def load():
         mngr = ocp.CheckpointManager(paths.local_path(paths.path(workdir, "checkpoints")),
                                      options=ocp.CheckpointManagerOptions(read_only=True, create=False),
                                      item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-        target = {"params": abstract_params}
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                 partial_restore=True)))
         finally:
             mngr.close()
-        return restored["state"]["params"]
+        return restored["state"]
 
     return _verified(workdir, step, load, skip="data/")
 

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--density-probes", type=non_negative_int, default=0,
                    help="also the Hessian's spectral density by stochastic Lanczos quadrature over this many probes")
     p.add_argument("--density-iters", type=positive_int, default=30, help="Lanczos steps per density probe")
+    p.add_argument("--preconditioned", action="store_true",
+                   help="also an AdamW run's preconditioned sharpness (top eigenvalue of P^-1 H, P from the "
+                        "checkpoint's Adam state) beside its edge-of-stability value 2 (1 + b1) / ((1 - b1) lr)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
@@ -44,14 +47,17 @@ def run(args) -> int:
                           num_batches=args.num_batches, batch_size=args.batch_size, draws=args.num_draws,
                           seed=args.seed, fisher_form=args.fisher_form, chunk_size=args.chunk_size,
                           groups=args.groups, gap=args.gap, progress=not args.quiet, spectrum_k=args.spectrum_k,
-                          density_probes=args.density_probes, density_iters=args.density_iters)
+                          density_probes=args.density_probes, density_iters=args.density_iters,
+                          preconditioned=args.preconditioned)
     spectra = [e for e in entries if e["kind"] == "spectrum"]
-    entries = [e for e in entries if e["kind"] != "spectrum"]
+    sharp = [e for e in entries if e["kind"] == "preconditioned_sharpness"]
+    entries = [e for e in entries if e["kind"] not in ("spectrum", "preconditioned_sharpness")]
     rows = [{"step": e["step"], **{k: v for k, v in e.items() if k != "kind"}} if args.gap else
             {"step": e["step"], **e["detail"]} for e in entries]
     if args.json:
         print_json({"workdir": args.workdir, "method": "gap" if args.gap else args.method, "results": rows,
-                    **({"spectrum": spectra} if spectra else {})})
+                    **({"spectrum": spectra} if spectra else {}),
+                    **({"preconditioned_sharpness": sharp} if sharp else {})})
         return 0
     if args.gap:
         print_table([{"step": r["step"], "loss": r["loss"], "tr_hessian": r["hessian"]["mean"],
@@ -65,4 +71,8 @@ def run(args) -> int:
         print_table([{"step": e["step"], "top_eigenvalues": ", ".join(f"{v:.4g}" for v in e.get("top", {}).get(
             "values", [])[:5]) or "-", "tr_slq": e["density"]["moments"][0]["value"] if "density" in e else None}
                      for e in spectra], ["step", "top_eigenvalues", "tr_slq"])
+    if sharp:
+        print_table([{"step": e["step"], "p_inv_h_top": e["value"], "residual": e["residual"], "lr": e["lr"],
+                      "edge_of_stability": e["edge_of_stability"], "ratio": e["ratio"]} for e in sharp],
+                    ["step", "p_inv_h_top", "residual", "lr", "edge_of_stability", "ratio"])
     return 0

@@ -48,6 +48,17 @@ def _hvp_batch(apply_fn: ApplyFn):
     return jax.jit(lambda p, v, b: hvp(lambda q: loss(q, b), p, v))
 
 
+def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
+    """v -> H v, H the Hessian of the MLM loss averaged over `batches` (one HVP = one pass over them)."""
+    hv = _hvp_batch(apply_fn)
+
+    def matvec(v):
+        out = [hv(params, v, b) for b in batches]
+        return jax.tree.map(lambda *xs: sum(xs) / len(xs), *out)
+
+    return matvec
+
+
 def measure(
     method: str,
     apply_fn: ApplyFn,
@@ -141,12 +152,7 @@ def spectrum_report(apply_fn: ApplyFn, params, batches: Iterable[dict], key: jax
     Tr(H^p) for p = 1..`moments` with standard errors over probes (None with one probe). One HVP = one pass over
     the batches; "num_matvecs" counts those computed (all steps run, even past an exhausted Krylov space)."""
     batches = [batches] if isinstance(batches, dict) else list(batches)
-    hv = _hvp_batch(apply_fn)
-
-    def matvec(v):
-        out = [hv(params, v, b) for b in batches]
-        return jax.tree.map(lambda *xs: sum(xs) / len(xs), *out)
-
+    matvec = hessian_matvec(apply_fn, params, batches)
     k_top, k_density = jax.random.split(key)
     report: dict[str, Any] = {"dim": spectrum.num_params(params), "num_batches": len(batches)}
     if k > 0:

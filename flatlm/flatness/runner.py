@@ -3,10 +3,11 @@
 Each entry: {"kind": "flatness", "step", "method", "grown_to", "trace", "trace_stderr", "detail":
 TraceEstimate.to_dict()}, appended to the run's results.json. With `spectrum_k` or `density_probes`, each step also
 gets {"kind": "spectrum", "step", "grown_to", "settings", **`compare.spectrum_report`} (the Hessian's top
-eigenvalues with Ritz bounds, its SLQ density and moments Tr(H^p)). The batches are masked validation sentences (one
-masked position per sentence, as in the paper's B.1), the same for every checkpoint, so traces along training
-compare. With `gap=True` each entry is instead the Hessian / Fisher / empirical-Fisher comparison of
-`flatlm.flatness.compare.gap_report` ({"kind": "flatness_gap", ...}), returned but not appended.
+eigenvalues with Ritz bounds, its SLQ density and moments Tr(H^p)); with `preconditioned`, an AdamW run's
+{"kind": "preconditioned_sharpness", ...} (`flatlm.flatness.preconditioned.measure`). The batches are masked
+validation sentences (one masked position per sentence, as in the paper's B.1), the same for every checkpoint, so
+traces along training compare. With `gap=True` each entry is instead the Hessian / Fisher / empirical-Fisher
+comparison of `flatlm.flatness.compare.gap_report` ({"kind": "flatness_gap", ...}), returned but not appended.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tqdm.auto import tqdm
 
 from flatlm import locks
 from flatlm import results as results_lib
+from flatlm.errors import UserError
 from flatlm.flatness import compare, grow, grow_lstm
+from flatlm.flatness import preconditioned as precond
 from flatlm.models import Bert, BiLSTM
 from flatlm.run import Run, load_run
 
@@ -29,15 +32,21 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 fisher_form: str = "per_sample", chunk_size: int = 1, groups: str | None = None,
                 grow_to: tuple[int, int] | None = None, gap: bool = False, append: bool = True,
                 progress: bool = True, spectrum_k: int = 0, density_probes: int = 0,
-                density_iters: int = 30) -> list[dict]:
+                density_iters: int = 30, preconditioned: bool = False) -> list[dict]:
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
     function (paper Figure 5, B.4), so sizes compare; for a BiLSTM it is (num_layers, d_hidden), width only.
     Step s uses the key `seed + s` (its spectrum fold_in(that key, 1)); spectrum entries follow their step's
-    flatness entry in the returned list. Appending holds the
-    workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there stops with one line.
+    flatness entry in the returned list. `preconditioned`: also each AdamW checkpoint's preconditioned sharpness
+    ({"kind": "preconditioned_sharpness", ...}, `flatlm.flatness.preconditioned`; key fold_in(key, 2)).
+    Appending holds the workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there
+    stops with one line.
     """
+    if preconditioned and (grow_to is not None or gap):
+        raise UserError("the preconditioned sharpness reads the run's own Adam state: not with grow_to or gap")
+    if preconditioned:
+        precond.check_run(run)
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
         model = run.model
         lstm = isinstance(model, BiLSTM)
@@ -72,6 +81,14 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                                 **compare.spectrum_report(model.apply, params, batches, jax.random.fold_in(key, 1),
                                                           k=spectrum_k, density_probes=density_probes,
                                                           density_iters=density_iters),
+                                "seconds": time.perf_counter() - t0})
+            if preconditioned:
+                t0 = time.perf_counter()
+                adam = precond.load_adam_state(run, step)
+                entries.append({"kind": "preconditioned_sharpness", "step": step,
+                                "settings": dict(seed=seed, num_batches=num_batches, batch_size=batch_size),
+                                **precond.measure(model.apply, params, batches, adam, run.config.train,
+                                                  jax.random.fold_in(key, 2)),
                                 "seconds": time.perf_counter() - t0})
             if append and not gap:
                 results_lib.append(run.workdir, [e for e in entries if e["step"] == step])

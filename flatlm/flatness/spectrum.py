@@ -220,13 +220,14 @@ def adam_edge_of_stability(lr: float, b1: float = 0.9) -> float:
 
 def preconditioned_sharpness(loss_fn: Callable[[Params], jax.Array], params: Params, second_moment: Params,
                              key: jax.Array, *, b2: float = 0.999, step: int = 0, eps: float = 1e-8,
-                             num_iters: int = 20) -> TopEigenvalues:
+                             num_iters: int = 20, matvec: MatVec | None = None) -> TopEigenvalues:
     """Top eigenvalue of P^-1 H for Adam's preconditioner P = diag(sqrt(nu_hat) + eps) by Lanczos on the similar
     symmetric P^-1/2 H P^-1/2 (same eigenvalues). `second_moment` is Adam's nu (optax's `ScaleByAdamState.nu`),
-    bias-corrected by 1 - b2^step when `step` > 0; compare with `adam_edge_of_stability(lr, b1)`."""
+    bias-corrected by 1 - b2^step when `step` > 0; compare with `adam_edge_of_stability(lr, b1)`. `matvec`
+    replaces the HVP of `loss_fn` (e.g. `compare.hessian_matvec` over several batches)."""
     corr = 1.0 - b2 ** step if step > 0 else 1.0
     inv_sqrt_p = jax.tree.map(lambda nu: 1.0 / jnp.sqrt(jnp.sqrt(nu / corr) + eps), second_moment)
-    hv = jax.jit(hvp_fn(loss_fn, params))
+    hv = matvec or jax.jit(hvp_fn(loss_fn, params))
 
     def matvec(v):
         return jax.tree.map(jnp.multiply, inv_sqrt_p, hv(jax.tree.map(jnp.multiply, inv_sqrt_p, v)))
