@@ -264,6 +264,14 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         md.append("## Hessian spectrum (Lanczos top eigenvalues ± Ritz bounds; SLQ density and moments)\n\n"
                   + "\n".join(lines) + "\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf))\n")
 
+    # 4a'''. AdamW runs' preconditioned sharpness against the edge of stability (`flatlm flatness --preconditioned`)
+    sharp = [(r.name, e) for r in runs for _, e in sorted(r.by_kind("preconditioned_sharpness").items())]
+    if sharp:
+        md.append("## Preconditioned sharpness (top eigenvalue of P^-1 H, P Adam's; edge of stability 2 (1 + b1) / "
+                  "((1 - b1) lr))\n\n" + "\n".join(
+                      f"- {n} (step {e['step']}): {e['value']:.4g} ± {e['residual']:.2g} at lr {e['lr']:.3g}; edge "
+                      f"{e['edge_of_stability']:.4g}, ratio {e['ratio']:.3f}" for n, e in sharp[:30]) + "\n")
+
     # 4b. what training adds: rank of W - W0 per weight matrix (train.rank_every), one panel per run
     ranked = [r for r in runs if r.extra.get("ranks")]
     if ranked:

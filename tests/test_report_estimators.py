@@ -72,6 +72,9 @@ def test_per_block_panel_from_results_files(tmp_path):
                                   "trace_stderr": 0.1, "detail": detail} for s in (1, 2)])
         if name == "a":  # a spectrum entry as `flatlm flatness --spectrum-k 2 --density-probes 2` writes it
             results.append(str(wd), [{"kind": "spectrum", "step": 2, "settings": {}, "dim": 10, **SPECTRUM}])
+            results.append(str(wd), [{"kind": "preconditioned_sharpness", "step": s, "settings": {}, "value": v,
+                                      "residual": 0.5, "lr": 0.01, "edge_of_stability": 3800.0, "ratio": v / 3800}
+                                     for s, v in ((2, 4750.0), (1, 1900.0))])
         dirs.append(str(wd))
     runs = report.find_runs(dirs)
     rows = [(r.name, e["detail"]["per_group"], e["detail"]["per_group_stderr"])
@@ -91,6 +94,8 @@ def test_per_block_panel_from_results_files(tmp_path):
     assert "## Tr(H) Hutchinson per block" in md and "a: 15; b: 10" in md
     assert (tmp_path / "out" / "spectrum.png").read_bytes()[:4] == b"\x89PNG"
     assert "- a (step 2): top eigenvalues 9, 4; Tr(H^1) = 12 ± 3; Tr(H^2) = 70 ± 20" in md
+    assert ("- a (step 1): 1900 ± 0.5 at lr 0.01; edge 3800, ratio 0.500\n"
+            "- a (step 2): 4750 ± 0.5 at lr 0.01; edge 3800, ratio 1.250\n") in md  # step order
 
 
 SPECTRUM = {"top": {"values": [9.0, 4.0], "residual": [0.01, 0.5], "num_matvecs": 7},
