@@ -54,6 +54,7 @@ def test_preconditioned_sharpness_of_an_adamw_run_is_the_dense_top_eigenvalue(tm
     assert got["lr"] == pytest.approx(lr) and lr > 0
     assert got["edge_of_stability"] == pytest.approx(2 * (1 + train.b1) / ((1 - train.b1) * lr))
     assert got["ratio"] == pytest.approx(got["value"] / got["edge_of_stability"])
+    assert got["adam_count"] == 20 and got["b2"] == pytest.approx(train.b2)
     entries = [e for e in results.load(str(wd)) if e["kind"] == "preconditioned_sharpness"]
     assert [e["step"] for e in entries] == [20] and entries[0]["value"] == got["value"]
 

@@ -45,18 +45,19 @@ def load_adam_state(run: Run, step: int) -> optax.ScaleByAdamState:
     return adam_state(ckpt.restore_parts(run.workdir, step, {"opt_state": abstract})["opt_state"])
 
 
-def measure(apply_fn, params, batches: list[dict], adam: optax.ScaleByAdamState, train, key: jax.Array,
-            num_iters: int = 20) -> dict:
+def measure(apply_fn, params, batches: list[dict], adam: optax.ScaleByAdamState, train, step: int,
+            key: jax.Array, num_iters: int = 20) -> dict:
     """{"value", "residual"} of P^-1 H's top eigenvalue (Lanczos, `num_iters` HVPs), "edge_of_stability" =
-    2 (1 + b1) / ((1 - b1) lr) and "ratio" value / that, with the lr of the last update and Adam's settings
-    (`train`: the run's `config.train`)."""
-    step = int(adam.count)
+    2 (1 + b1) / ((1 - b1) lr) and "ratio" value / that, with Adam's settings (`train`: the run's `config.train`).
+    lr is the schedule's rate of the last update before checkpoint `step`; nu is bias-corrected by Adam's own count
+    (which restarts where `train.stacking` resets the moments; the schedule does not)."""
+    count = int(adam.count)
     lr = float(optim.schedule(train)(max(step - 1, 0)))
-    top = spectrum.preconditioned_sharpness(None, params, adam.nu, key, b2=train.b2, step=step, eps=train.eps,
+    top = spectrum.preconditioned_sharpness(None, params, adam.nu, key, b2=train.b2, step=count, eps=train.eps,
                                             num_iters=num_iters,
                                             matvec=compare.hessian_matvec(apply_fn, params, batches))
     value = float(top.values[0])
     eos = spectrum.adam_edge_of_stability(lr, train.b1) if lr > 0 else float("inf")
     return {"value": value, "residual": float(top.residual[0]), "edge_of_stability": eos, "ratio": value / eos,
-            "lr": lr, "b1": float(train.b1), "b2": float(train.b2), "eps": float(train.eps), "adam_count": step,
+            "lr": lr, "b1": float(train.b1), "b2": float(train.b2), "eps": float(train.eps), "adam_count": count,
             "num_matvecs": top.num_matvecs}

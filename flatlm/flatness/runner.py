@@ -87,7 +87,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 adam = precond.load_adam_state(run, step)
                 entries.append({"kind": "preconditioned_sharpness", "step": step,
                                 "settings": dict(seed=seed, num_batches=num_batches, batch_size=batch_size),
-                                **precond.measure(model.apply, params, batches, adam, run.config.train,
+                                **precond.measure(model.apply, params, batches, adam, run.config.train, step,
                                                   jax.random.fold_in(key, 2)),
                                 "seconds": time.perf_counter() - t0})
             if append and not gap:
