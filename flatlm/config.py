@@ -53,6 +53,10 @@ def base_config() -> ml_collections.ConfigDict:
             # 0.56M, 512 -> 6.1M tokens/s); each process samples whole blocks, so keep batch_size / processes a
             # multiple of it. Part of the data: a run resumes only with the block it started with.
             stream_block=512,
+            # tfds source: True keys each sentence's mask by its corpus row, so it keeps one mask for the whole run
+            # (default: by stream position, a fresh mask every epoch). With batch_size = train_size every step then
+            # sees the same masked corpus: a deterministic full-batch objective (edge-of-stability checks).
+            fixed_masks=False,
         )
     )
     c.model = ml_collections.ConfigDict(

@@ -188,3 +188,52 @@ def test_a_full_disk_while_saving_the_arrays_is_one_line_and_leaves_no_file(tmp_
     with pytest.raises(DiskFull, match="out of disk space writing .*train-tokens.npy"):
         builder.save_arrays(tmp_path, "train", np.zeros((3, 4), np.int32), np.full(3, 4))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fixed_masks_give_each_sentence_one_mask_and_full_batches_one_objective(tmp_path):
+    """data.fixed_masks: a sentence's masked input, targets and weights are the same at every visit (keyed by its
+    corpus row); by default they are drawn anew each epoch. With batch_size = train_size every step is the whole
+    corpus under the same masks (in another order): a deterministic full-batch objective."""
+    b = builder.build(SPEC, str(tmp_path), train_size=24, eval_size=8, seed=0, quiet=True)
+    src = builder.data_sources(b)["train"]
+    corpus = {i: src[i]["tokens"].tobytes() for i in range(24)}
+    assert len(set(corpus.values())) == 24, "the test needs distinct sentences"
+    row_of = {v: k for k, v in corpus.items()}
+
+    class Bert(_Data):
+        masking = "bert"
+        batch_size = 6
+
+    def visits(data_cls, steps):
+        """{corpus row: [(masked tokens, weights) at each visit]} over `steps` batches."""
+        out: dict[int, list] = {}
+        for x in _take(pipeline.train_iterator(data_cls, 7, seed=3, source=src), steps):
+            for t, w, y in zip(x["tokens"], x["weights"], x["targets"]):
+                out.setdefault(row_of[y.tobytes()], []).append((t.tobytes(), w.tobytes()))
+        return out
+
+    class Fixed(Bert):
+        fixed_masks = True
+
+    fixed, fresh = visits(Fixed, 16), visits(Bert, 16)  # 16 x 6 = 4 epochs of 24
+    assert all(len(v) == 4 for v in fixed.values()) and len(fixed) == 24
+    assert all(len(set(v)) == 1 for v in fixed.values())  # one mask per sentence
+    assert sum(len(set(v)) > 1 for v in fresh.values()) >= 12  # default: masks change between epochs
+
+    class FullBatch(Fixed):
+        batch_size = 24
+
+    batches = _take(pipeline.train_iterator(FullBatch, 7, seed=3, source=src), 3)
+    as_set = lambda x: sorted(zip(*(map(bytes, x[k]) for k in ("tokens", "targets", "weights"))))  # noqa: E731
+    assert as_set(batches[0]) == as_set(batches[1]) == as_set(batches[2])
+    assert not np.array_equal(batches[0]["targets"], batches[1]["targets"])  # reshuffled, same multiset
+
+
+def test_fixed_masks_need_the_tfds_source():
+    from flatlm import data as data_lib
+    from flatlm.config import base_config
+
+    c = base_config().data
+    c.fixed_masks, c.source = True, "stream"
+    with pytest.raises(UserError, match="data.fixed_masks needs data.source=tfds"):
+        data_lib.validate_config(c)

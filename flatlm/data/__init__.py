@@ -12,5 +12,7 @@ def validate_config(data) -> None:
     check_choice(data.masking, MASKINGS, "data.masking")
     check_choice(data.source, SOURCES, "data.source")
     check_positive(data, "data", "batch_size", "eval_size", "train_size", "stream_block")
+    if getattr(data, "fixed_masks", False) and data.source != "tfds":
+        raise UserError("config.data.fixed_masks needs data.source=tfds (the stream source never repeats a sentence)")
     if not 0 < data.mask_prob <= 1:
         raise UserError(f"config.data.mask_prob must be in (0, 1], got {data.mask_prob}")

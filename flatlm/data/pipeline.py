@@ -28,12 +28,15 @@ class _CorpusRows(grain.transforms.Map):
 
     The stream is the corpus shuffled anew each epoch (epoch e: permutation of rng (seed, e)), concatenated; batch
     i is stream positions [i B, (i + 1) B), so batches run across epoch ends and every sentence is seen once per
-    epoch. A sentence's mask is drawn by `RowHash(seed, stream position)`: the global batch is the same for any
-    number of processes."""
+    epoch. A sentence's mask is drawn by `RowHash(seed, stream position)`, or `RowHash(seed, corpus row)` with
+    `fixed_masks` (one mask per sentence for the whole run): the global batch is the same for any number of
+    processes."""
 
-    def __init__(self, tokens_NT, lengths_N, batch_size: int, lo: int, hi: int, seed: int, mask_kw: dict):
+    def __init__(self, tokens_NT, lengths_N, batch_size: int, lo: int, hi: int, seed: int, mask_kw: dict,
+                 fixed_masks: bool = False):
         self.tokens_NT, self.lengths_N = tokens_NT, lengths_N
         self.batch_size, self.lo, self.hi, self.seed, self.mask_kw = batch_size, lo, hi, seed, mask_kw
+        self.fixed_masks = fixed_masks
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -54,7 +57,8 @@ class _CorpusRows(grain.transforms.Map):
         tokens_BT = np.empty((len(rows_B), self.tokens_NT.shape[1]), np.int32)
         lengths_B = np.empty(len(rows_B), np.int32)
         tokens_BT[order], lengths_B[order] = self.tokens_NT[rows_B[order]], self.lengths_N[rows_B[order]]
-        return mask_batch(tokens_BT, lengths_B, rng=RowHash(self.seed, pos_B), **self.mask_kw)
+        return mask_batch(tokens_BT, lengths_B, rng=RowHash(self.seed, rows_B if self.fixed_masks else pos_B),
+                          **self.mask_kw)
 
 
 class _SampleRows(grain.transforms.Map):
@@ -103,7 +107,8 @@ def train_dataset(data_config, num_words: int, seed: int, source=None, language=
     tokens_NT, lengths_N = corpus_arrays(source)
     lo, hi = local_rows(data_config.batch_size, process_index, process_count)
     return grain.MapDataset.range(0, 2**62).map(
-        _CorpusRows(tokens_NT, lengths_N, data_config.batch_size, lo, hi, seed, mask_kw))
+        _CorpusRows(tokens_NT, lengths_N, data_config.batch_size, lo, hi, seed, mask_kw,
+                    fixed_masks=bool(getattr(data_config, "fixed_masks", False))))
 
 
 def train_iterator(data_config, num_words: int, seed: int, **kw) -> grain.DatasetIterator:
