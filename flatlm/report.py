@@ -71,16 +71,20 @@ ESTIMATOR_LABELS = {
 
 
 def estimator_key(entry: dict) -> tuple:
-    """(method, grown_to) of a flatness entry: what makes two traces comparable."""
+    """(method, grown_to) of a flatness entry: what makes two traces comparable. A trace measured on another split
+    than validation (`flatlm flatness --split train`) is another quantity: its method reads "<method>@<split>"."""
     grown = entry.get("grown_to")
-    return entry.get("method", "?"), tuple(grown) if grown else None
+    split = (entry.get("settings") or {}).get("split", "validation")
+    method = entry.get("method", "?") + ("" if split == "validation" else f"@{split}")
+    return method, tuple(grown) if grown else None
 
 
 def estimator_label(key: tuple) -> str:
     """A column / axis name for an estimator, e.g. "Tr(H) Hutchinson" or "Tr(F) Fisher, sampled labels (grown to
     4x256)"."""
     method, grown = key
-    label = ESTIMATOR_LABELS.get(method, f"trace ({method})")
+    method, _, split = method.partition("@")
+    label = ESTIMATOR_LABELS.get(method, f"trace ({method})") + (f", {split} objective" if split else "")
     return f"{label} (grown to {grown[0]}x{grown[1]})" if grown else label
 
 

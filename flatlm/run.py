@@ -260,6 +260,16 @@ class Run:
         bs = batch_size or self.config.eval.batch_size
         return pipeline.eval_batches(self.sources["validation"], bs, limit)
 
+    def train_batches(self, num_batches: int, batch_size: int) -> list[dict]:
+        """The first `num_batches` batches of `batch_size` sentences of the run's training stream, masked as training
+        masks them (its seed and masking; with `data.fixed_masks`, the masks of every step): the training objective,
+        e.g. for flatness at the edge of stability."""
+        data = self.config.data.copy_and_resolve_references()
+        data.batch_size = batch_size
+        ds = pipeline.train_dataset(data, self.num_words, self.config.seed, source=self.sources.get("train"),
+                                    language=self.language)
+        return [ds[i] for i in range(num_batches)]
+
     def mlm_batches(self, num_batches: int, batch_size: int, seed: int = 0, masking: str = "single") -> list[dict]:
         """Masked validation sentences in the MLM batch format (tokens/targets/weights), e.g. for flatness.
 

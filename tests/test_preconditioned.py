@@ -70,3 +70,24 @@ def test_preconditioned_sharpness_refuses_an_sgd_run_in_one_line(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "AdamW" in proc.stderr and "sgd" in proc.stderr, proc.stderr
     after = (wd / "results.json").read_text() if (wd / "results.json").exists() else None
     assert after == before  # nothing half-written
+
+
+def test_train_batches_are_what_training_reads(tmp_path, tiny_config):
+    """`Run.train_batches` (what `flatlm flatness --split train` measures on) equals the training iterator's first
+    batches at that batch size, with and without data.fixed_masks."""
+    from flatlm.data import pipeline
+    from flatlm.run import build_run
+
+    for fixed in (False, True):
+        c = tiny_config.copy_and_resolve_references()
+        c.data.fixed_masks = fixed
+        run = build_run(c, str(tmp_path / f"fixed{fixed}"), quiet=True)
+        got = run.train_batches(2, 16)
+        data = c.data.copy_and_resolve_references()
+        data.batch_size = 16
+        it = pipeline.train_iterator(data, run.num_words, c.seed, source=run.sources["train"])
+        for b in got:
+            want = next(it)
+            assert sorted(b) == sorted(want)
+            for k in want:
+                np.testing.assert_array_equal(b[k], want[k])

@@ -56,6 +56,17 @@ def test_estimator_keys_separate_grown_measurements():
     assert runs[0].flatness(("fisher", None))[1]["trace"] == np.e
 
 
+def test_estimator_keys_separate_traces_of_the_training_objective():
+    """`flatlm flatness --split train` measures another quantity: its own column, never the validation trace."""
+    val = {"kind": "flatness", "method": "fisher", "grown_to": None, "settings": {"seed": 0}, "step": 1, "trace": 3.0}
+    train = {**val, "settings": {"seed": 0, "split": "train"}, "trace": 5.0}
+    assert report.estimator_key(train) == ("fisher@train", None)
+    assert report.estimator_label(("fisher@train", None)) == "Tr(F) Fisher, sampled labels, train objective"
+    runs = [report.RunData("r", None, {}, [], [val, train])]  # the train-split entry written last
+    assert report.estimators(runs) == [("fisher", None), ("fisher@train", None)]
+    assert runs[0].flatness(("fisher", None))[1]["trace"] == 3.0
+
+
 def test_per_block_panel_from_results_files(tmp_path):
     """`--groups block` entries in results.json -> one grouped bar per run and block, bar = the block's trace,
     error bar = ± its standard error; the report names the sums over blocks (= the totals)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flatlm.cli.common import add_output_flags, non_negative_int, parse_steps, positive_int
 from flatlm.flatness.compare import METHODS
-from flatlm.flatness.runner import measure_run
+from flatlm.flatness.runner import SPLITS, measure_run
 from flatlm.run import load_run
 from flatlm.table import print_json, print_table
 
@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--preconditioned", action="store_true",
                    help="also an AdamW run's preconditioned sharpness (top eigenvalue of P^-1 H, P from the "
                         "checkpoint's Adam state) beside its edge-of-stability value 2 (1 + b1) / ((1 - b1) lr)")
+    p.add_argument("--split", choices=SPLITS, default="validation",
+                   help="measure on masked validation sentences (one mask each, the paper's B.1) or on the training "
+                        "objective (training sentences masked as training masks them; data.fixed_masks: every step's)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
@@ -48,7 +51,7 @@ def run(args) -> int:
                           seed=args.seed, fisher_form=args.fisher_form, chunk_size=args.chunk_size,
                           groups=args.groups, gap=args.gap, progress=not args.quiet, spectrum_k=args.spectrum_k,
                           density_probes=args.density_probes, density_iters=args.density_iters,
-                          preconditioned=args.preconditioned)
+                          preconditioned=args.preconditioned, split=args.split)
     spectra = [e for e in entries if e["kind"] == "spectrum"]
     sharp = [e for e in entries if e["kind"] == "preconditioned_sharpness"]
     entries = [e for e in entries if e["kind"] not in ("spectrum", "preconditioned_sharpness")]

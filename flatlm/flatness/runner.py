@@ -26,13 +26,15 @@ from flatlm.flatness import preconditioned as precond
 from flatlm.models import Bert, BiLSTM
 from flatlm.run import Run, load_run
 
+SPLITS = ("validation", "train")  # what flatness is measured on: see measure_run
+
 
 def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher", *, num_probes: int = 64,
                 num_batches: int = 4, batch_size: int = 128, draws: int = 50, seed: int = 0,
                 fisher_form: str = "per_sample", chunk_size: int = 1, groups: str | None = None,
                 grow_to: tuple[int, int] | None = None, gap: bool = False, append: bool = True,
                 progress: bool = True, spectrum_k: int = 0, density_probes: int = 0,
-                density_iters: int = 30, preconditioned: bool = False) -> list[dict]:
+                density_iters: int = 30, preconditioned: bool = False, split: str = "validation") -> list[dict]:
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
@@ -40,6 +42,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     Step s uses the key `seed + s` (its spectrum fold_in(that key, 1)); spectrum entries follow their step's
     flatness entry in the returned list. `preconditioned`: also each AdamW checkpoint's preconditioned sharpness
     ({"kind": "preconditioned_sharpness", ...}, `flatlm.flatness.preconditioned`; key fold_in(key, 2)).
+    `split="train"` measures on the training objective instead (`Run.train_batches`: training sentences, masked as
+    training masks them; `seed` unused), recorded in each entry's settings.
     Appending holds the workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there
     stops with one line.
     """
@@ -54,10 +58,15 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             model = (BiLSTM(grow_lstm.grown_lstm_config(model.cfg, grow_to[1], grow_to[0])) if lstm else
                      Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1])))
         steps = list(run.steps) if steps is None else list(steps)
-        batches = run.mlm_batches(num_batches, batch_size, seed=seed)
+        if split not in SPLITS:
+            raise UserError(f"flatness split must be one of {', '.join(SPLITS)}, got {split!r}")
+        batches = (run.train_batches(num_batches, batch_size) if split == "train" else
+                   run.mlm_batches(num_batches, batch_size, seed=seed))
         kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
                   groups=groups)
         settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
+        if split != "validation":  # absent for the default, as in every entry written before the field existed
+            settings["split"] = split
         entries = []
         for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
                                                        disable=not progress, file=sys.stderr)):
@@ -76,7 +85,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             if spectrum_k or density_probes:
                 t0 = time.perf_counter()
                 spec = dict(spectrum_k=spectrum_k, density_probes=density_probes, density_iters=density_iters,
-                            seed=seed, num_batches=num_batches, batch_size=batch_size)
+                            seed=seed, num_batches=num_batches, batch_size=batch_size,
+                            **({"split": split} if split != "validation" else {}))
                 entries.append({"kind": "spectrum", "step": step, "grown_to": grow_to, "settings": spec,
                                 **compare.spectrum_report(model.apply, params, batches, jax.random.fold_in(key, 1),
                                                           k=spectrum_k, density_probes=density_probes,
@@ -86,7 +96,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 t0 = time.perf_counter()
                 adam = precond.load_adam_state(run, step)
                 entries.append({"kind": "preconditioned_sharpness", "step": step,
-                                "settings": dict(seed=seed, num_batches=num_batches, batch_size=batch_size),
+                                "settings": dict(seed=seed, num_batches=num_batches, batch_size=batch_size,
+                                                 split=split),
                                 **precond.measure(model.apply, params, batches, adam, run.config.train, step,
                                                   jax.random.fold_in(key, 2)),
                                 "seconds": time.perf_counter() - t0})
