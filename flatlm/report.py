@@ -49,9 +49,11 @@ class RunData:
                 out[e["step"]] = e
         return out
 
-    def by_kind(self, kind: str) -> dict:
-        """step -> latest results entry of `kind` (e.g. "exact_loss"). Not for "flatness": see `flatness`."""
-        return {e["step"]: e for e in self.results if e["kind"] == kind}
+    def by_kind(self, kind: str, split: str = "validation") -> dict:
+        """step -> latest results entry of `kind` (e.g. "exact_loss") measured on `split` (`flatlm flatness
+        --split`; entries without one are validation's). Not for "flatness": see `flatness`."""
+        return {e["step"]: e for e in self.results
+                if e["kind"] == kind and (e.get("settings") or {}).get("split", "validation") == split}
 
     def flatness(self, estimator: tuple) -> dict:
         """step -> latest flatness entry of one estimator (`estimator_key`): traces of different estimators
@@ -269,7 +271,8 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
                   + "\n".join(lines) + "\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf))\n")
 
     # 4a'''. AdamW runs' preconditioned sharpness against the edge of stability (`flatlm flatness --preconditioned`)
-    sharp = [(r.name, e) for r in runs for _, e in sorted(r.by_kind("preconditioned_sharpness").items())]
+    sharp = [(r.name + ("" if sp == "validation" else f", {sp} objective"), e) for r in runs
+             for sp in results_lib.SPLITS for _, e in sorted(r.by_kind("preconditioned_sharpness", sp).items())]
     if sharp:
         md.append("## Preconditioned sharpness (top eigenvalue of P^-1 H, P Adam's; edge of stability 2 (1 + b1) / "
                   "((1 - b1) lr))\n\n" + "\n".join(

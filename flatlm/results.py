@@ -27,6 +27,9 @@ import jax
 from flatlm import locks, metrics, paths
 from flatlm.errors import UserError, disk_full_is_one_line
 
+# What a flatness / spectrum / preconditioned-sharpness entry was measured on (its settings' "split"; absent:
+# "validation", masked validation sentences; "train": the training objective, see `flatlm flatness --split`)
+SPLITS = ("validation", "train")
 IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
 DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
 

@@ -86,6 +86,9 @@ def test_per_block_panel_from_results_files(tmp_path):
             results.append(str(wd), [{"kind": "preconditioned_sharpness", "step": s, "settings": {}, "value": v,
                                       "residual": 0.5, "lr": 0.01, "edge_of_stability": 3800.0, "ratio": v / 3800}
                                      for s, v in ((2, 4750.0), (1, 1900.0))])
+            results.append(str(wd), [{"kind": "preconditioned_sharpness", "step": 2, "settings": {"split": "train"},
+                                      "value": 3800.0, "residual": 0.5, "lr": 0.01, "edge_of_stability": 3800.0,
+                                      "ratio": 1.0}])  # the same step on the training objective: listed apart
         dirs.append(str(wd))
     runs = report.find_runs(dirs)
     rows = [(r.name, e["detail"]["per_group"], e["detail"]["per_group_stderr"])
@@ -107,6 +110,7 @@ def test_per_block_panel_from_results_files(tmp_path):
     assert "- a (step 2): top eigenvalues 9, 4; Tr(H^1) = 12 ± 3; Tr(H^2) = 70 ± 20" in md
     assert ("- a (step 1): 1900 ± 0.5 at lr 0.01; edge 3800, ratio 0.500\n"
             "- a (step 2): 4750 ± 0.5 at lr 0.01; edge 3800, ratio 1.250\n") in md  # step order
+    assert "- a, train objective (step 2): 3800 ± 0.5 at lr 0.01; edge 3800, ratio 1.000" in md
 
 
 SPECTRUM = {"top": {"values": [9.0, 4.0], "residual": [0.01, 0.5], "num_matvecs": 7},

@@ -12,6 +12,8 @@ line, so it is a reference, not a prediction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import optax
 
@@ -31,18 +33,15 @@ def adam_state(opt_state) -> optax.ScaleByAdamState:
     return found[0]
 
 
-def check_run(run: Run) -> None:
-    """UserError (one line) unless `run` was trained with AdamW (checked before anything is measured)."""
+def adam_loader(run: Run) -> Callable[[int], optax.ScaleByAdamState]:
+    """step -> Adam's moments of checkpoint `step` (only the optimizer state is read; verified first, as params
+    are). UserError (one line) at once unless `run` was trained with AdamW, so nothing is measured first; the state's
+    abstract shapes are worked out once, not per checkpoint."""
     if run.config.train.optimizer != "adamw":
         raise UserError(f"the preconditioned sharpness needs an AdamW run; {run.workdir} was trained with "
                         f"train.optimizer={run.config.train.optimizer!r}")
-
-
-def load_adam_state(run: Run, step: int) -> optax.ScaleByAdamState:
-    """Adam's moments of checkpoint `step` (only the optimizer state is read; verified first, as params are)."""
-    check_run(run)
     abstract = loop.train_setup(run).abstract_state()["opt_state"]
-    return adam_state(ckpt.restore_parts(run.workdir, step, {"opt_state": abstract})["opt_state"])
+    return lambda step: adam_state(ckpt.restore_parts(run.workdir, step, {"opt_state": abstract})["opt_state"])
 
 
 def measure(apply_fn, params, batches: list[dict], adam: optax.ScaleByAdamState, train, step: int,

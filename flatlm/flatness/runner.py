@@ -26,7 +26,7 @@ from flatlm.flatness import preconditioned as precond
 from flatlm.models import Bert, BiLSTM
 from flatlm.run import Run, load_run
 
-SPLITS = ("validation", "train")  # what flatness is measured on: see measure_run
+SPLITS = results_lib.SPLITS  # what flatness is measured on: see measure_run
 
 
 def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher", *, num_probes: int = 64,
@@ -49,8 +49,9 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     """
     if preconditioned and (grow_to is not None or gap):
         raise UserError("the preconditioned sharpness reads the run's own Adam state: not with grow_to or gap")
-    if preconditioned:
-        precond.check_run(run)
+    if split not in SPLITS:
+        raise UserError(f"flatness split must be one of {', '.join(SPLITS)}, got {split!r}")
+    load_adam = precond.adam_loader(run) if preconditioned else None
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
         model = run.model
         lstm = isinstance(model, BiLSTM)
@@ -58,15 +59,14 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             model = (BiLSTM(grow_lstm.grown_lstm_config(model.cfg, grow_to[1], grow_to[0])) if lstm else
                      Bert(grow.grown_config(model.cfg, num_layers=grow_to[0], d_model=grow_to[1])))
         steps = list(run.steps) if steps is None else list(steps)
-        if split not in SPLITS:
-            raise UserError(f"flatness split must be one of {', '.join(SPLITS)}, got {split!r}")
         batches = (run.train_batches(num_batches, batch_size) if split == "train" else
                    run.mlm_batches(num_batches, batch_size, seed=seed))
         kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
                   groups=groups)
-        settings = dict(kw, seed=seed, num_batches=num_batches, batch_size=batch_size)  # what identifies a measurement
-        if split != "validation":  # absent for the default, as in every entry written before the field existed
-            settings["split"] = split
+        # the batches every entry is measured on (split absent for the default, as in entries written before it)
+        where = dict(seed=seed, num_batches=num_batches, batch_size=batch_size,
+                     **({"split": split} if split != "validation" else {}))
+        settings = dict(kw, **where)  # what identifies a measurement
         entries = []
         for step, params in run.checkpoint_params(tqdm(steps, desc=f"flatness ({'gap' if gap else method})",
                                                        disable=not progress, file=sys.stderr)):
@@ -85,8 +85,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
             if spectrum_k or density_probes:
                 t0 = time.perf_counter()
                 spec = dict(spectrum_k=spectrum_k, density_probes=density_probes, density_iters=density_iters,
-                            seed=seed, num_batches=num_batches, batch_size=batch_size,
-                            **({"split": split} if split != "validation" else {}))
+                            **where)
                 entries.append({"kind": "spectrum", "step": step, "grown_to": grow_to, "settings": spec,
                                 **compare.spectrum_report(model.apply, params, batches, jax.random.fold_in(key, 1),
                                                           k=spectrum_k, density_probes=density_probes,
@@ -94,11 +93,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                                 "seconds": time.perf_counter() - t0})
             if preconditioned:
                 t0 = time.perf_counter()
-                adam = precond.load_adam_state(run, step)
-                entries.append({"kind": "preconditioned_sharpness", "step": step,
-                                "settings": dict(seed=seed, num_batches=num_batches, batch_size=batch_size,
-                                                 split=split),
-                                **precond.measure(model.apply, params, batches, adam, run.config.train, step,
+                entries.append({"kind": "preconditioned_sharpness", "step": step, "settings": where,
+                                **precond.measure(model.apply, params, batches, load_adam(step), run.config.train, step,
                                                   jax.random.fold_in(key, 2)),
                                 "seconds": time.perf_counter() - t0})
             if append and not gap:
