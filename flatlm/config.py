@@ -91,9 +91,11 @@ def base_config() -> ml_collections.ConfigDict:
                 projection_dim=0, projection_seed=0, normalize="global", task="", pool_size=0, monitor=False,
                 start_step=0)),
             # Flatness-seeking objectives (beyond the paper; flatlm.train.flat_objectives.FlatConfig documents
-            # every field): method "none" | "sam" | "label_noise" | "trace_penalty".
+            # every field): method "none" | "sam" | "label_noise" | "trace_penalty"; blocks "all" | "encoder" |
+            # comma-separated block names (flatlm.models.blocks) for sam and trace_penalty.
             flat=ml_collections.ConfigDict(dict(method="none", rho=0.05, ascent_groups=1, noise_p=0.1,
-                                                noise_source="model", gamma=0.01, probes=1, penalty="fisher")),
+                                                noise_source="model", gamma=0.01, probes=1, penalty="fisher",
+                                                blocks="all")),
             # Gradual stacking (flatlm.train.stacking documents every field): stages ((num_layers, steps), ...)
             # summing to train.steps, the last at model.num_layers; () -> off. rule "midas" | "top" |
             # "function_preserving"; opt_state "carry" (moments grown by the same rule) | "reset".

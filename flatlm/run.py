@@ -38,6 +38,7 @@ from flatlm.data import tasks as tasks_lib
 from flatlm.data.masking import mask_batch
 from flatlm.errors import UserError
 from flatlm.models import stacking
+from flatlm.models.blocks import ALL, block_mask
 
 # the paper's tasks (A.1): HMM task-6 and task-10 (1-based: 0-based positions 5 and 9), PCFG A, B, C
 DEFAULT_TASKS = {"hmm": ("task-6", "task-10"), "pcfg": ("A", "B", "C"), "opt": ("qnli", "sst2"), "scb": ("position",)}
@@ -345,7 +346,6 @@ def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False)
     validate(config, jax.device_count())
     language = languages.make_language(config.language)
     task_names(config, language)  # eval.tasks must name tasks of this language
-    sources = prepare_data(config, workdir, quiet=quiet)
     model = models.make_model(models.model_config(config.model, language.vocab_size, language.max_length + 1))
     mesh = sharding.make_mesh(config)
     rules = sharding.axis_rules(config.mesh.parallelism)
@@ -353,6 +353,9 @@ def build_run(config, workdir: str, quiet: bool = False, fit_mesh: bool = False)
         abstract_boxed = jax.eval_shape(lambda key: init_boxed(model, language.max_length, key),
                                         jax.random.key(config.seed))
         shardings = sharding.param_shardings(abstract_boxed, mesh, rules)
+    # train.flat.blocks must name blocks of this model: checked before the data are written
+    block_mask(sharding.unbox_abstract(abstract_boxed), config.train.get("flat", {}).get("blocks", ALL))
+    sources = prepare_data(config, workdir, quiet=quiet)
     return Run(config, workdir, language, model, mesh, rules, sources, abstract_boxed, shardings)
 
 

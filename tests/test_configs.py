@@ -11,7 +11,7 @@ from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
 NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
-         "table2", "flatness_seeking", "stacking")
+         "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -91,13 +91,20 @@ def test_table2_is_the_papers_pcfg_task_c_comparison_with_trace():
     assert {run_config(hmm, r).language.name for r in hmm.runs} == {"hmm"}
 
 
-def test_flatness_seeking_runs_differ_only_in_the_flat_objective():
-    """Issue 18: AdamW vs SAM vs label noise vs the Tr(H) penalty, same base, same seeds, every config valid."""
+@pytest.mark.parametrize("experiment", ["flatness_seeking", "flatness_seeking_encoder"])
+def test_flatness_seeking_runs_differ_only_in_the_flat_objective(experiment):
+    """Issue 18: AdamW vs SAM vs label noise vs the Tr(H) penalty (on the encoder's blocks only in the follow-up),
+    same base, same seeds, every config valid."""
     for preset in ("tiny", "cpu"):
-        exp = load_experiment(f"{REPO}/configs/experiments/flatness_seeking.py:{preset}")
+        exp = load_experiment(f"{REPO}/configs/experiments/{experiment}.py:{preset}")
         validate_experiment(exp)
         configs = {r["name"]: run_config(exp, r) for r in exp.runs}
-        assert {c.train.flat.method for c in configs.values()} == {"none", "sam", "label_noise", "trace_penalty"}
+        methods = {"none", "sam", "trace_penalty"} | ({"label_noise"} if experiment == "flatness_seeking" else set())
+        assert {c.train.flat.method for c in configs.values()} == methods
+        if experiment == "flatness_seeking_encoder":
+            assert {(c.train.flat.method == "none", c.train.flat.blocks) for c in configs.values()} == {
+                (True, "all"), (False, "encoder")}
+            assert {c.seed for c in configs.values()} == ({0, 1} if preset == "tiny" else {0, 1, 2})
         for name, c in configs.items():
             a, b = c.to_dict(), configs[name.replace(name.split("-seed")[0], "adamw")].to_dict()
             a["train"].pop("flat"), b["train"].pop("flat"), a.pop("config_spec", None), b.pop("config_spec", None)

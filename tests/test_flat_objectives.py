@@ -40,9 +40,18 @@ def _jit_vg(obj):
     return jax.jit(jax.value_and_grad(obj, has_aux=True), static_argnums=(2,))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _sam_reference(apply_fn, params, batch, rho):
+HEAD_KEYS = ("final_ln", "head_bias", "head_dense", "head_dense_bias", "head_ln")  # the tiny BERT's head, by hand
+
+
+def _without_head(tree):
+    """`tree` with the tiny BERT's head parameters zeroed (the "encoder" blocks' part)."""
+    return {k: jax.tree.map(jnp.zeros_like, v) if k in HEAD_KEYS else v for k, v in tree.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _sam_reference(apply_fn, params, batch, rho, encoder_only=False):
     g = jax.grad(mlm_loss)(params, batch, apply_fn)
+    g = _without_head(g) if encoder_only else g
     norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
     shifted = jax.tree.map(lambda p, x: p + rho * x / norm, params, g)
     return mlm_loss(shifted, batch, apply_fn), jax.grad(mlm_loss)(shifted, batch, apply_fn)
@@ -55,6 +64,19 @@ def test_sam_gradient_is_the_gradient_at_the_ascent_point(tiny):
     want_loss, want_grads = _sam_reference(apply_fn, params, {k: batch[k] for k in ("tokens", "targets", "weights")},
                                            0.1)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5) and float(aux["train/sam_sharpness"]) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, want_grads)
+
+
+def test_sam_on_the_encoder_perturbs_only_the_encoder(tiny):
+    """blocks="encoder": the ascent step is the batch gradient's non-head part, normalised over it; every parameter
+    (the head's too) gets the gradient at that point."""
+    apply_fn, params, batch = tiny
+    obj = flat.make_objective(flat.FlatConfig(method="sam", rho=0.1, blocks="encoder"))
+    (loss, _), grads = _jit_vg(obj)(params, batch, apply_fn, None)
+    data = {k: batch[k] for k in ("tokens", "targets", "weights")}
+    want_loss, want_grads = _sam_reference(apply_fn, params, data, 0.1, True)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(loss) != pytest.approx(float(_sam_reference(apply_fn, params, data, 0.1)[0]), rel=1e-4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, want_grads)
 
 
@@ -88,11 +110,18 @@ def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
 def test_trace_penalty_estimates_the_exact_trace(tiny):
     apply_fn, params, batch = tiny
     flat_p, unravel = ravel_pytree(params)
-    exact = float(jnp.trace(jax.hessian(lambda v: mlm_loss(unravel(v), batch, apply_fn))(flat_p)))
-    penalty = jax.jit(flat.hutchinson_penalty, static_argnames=("apply_fn", "probes"))
-    samples = np.array([float(penalty(params, batch, apply_fn, jax.random.key(s), 64))
-                        for s in range(8)])
-    assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)) + 1e-3 * abs(exact)
+    hessian = np.asarray(jax.hessian(lambda v: mlm_loss(unravel(v), batch, apply_fn))(flat_p))
+    # layer 0's MLP block by hand: its weights and its LayerNorm (the penalty's "layer_0/mlp")
+    mask = {**jax.tree.map(jnp.zeros_like, params),
+            "layer_0": {k: jax.tree.map(lambda x, on=k in ("mlp", "mlp_ln"): jnp.full_like(x, on), v)
+                        for k, v in params["layer_0"].items()}}
+    in_block = np.asarray(ravel_pytree(mask)[0]).astype(bool)
+    assert 0 < in_block.sum() < in_block.size
+    penalty = jax.jit(flat.hutchinson_penalty, static_argnames=("apply_fn", "probes", "blocks"))
+    for blocks, exact in (("all", float(np.trace(hessian))), ("layer_0/mlp", float(np.diag(hessian)[in_block].sum()))):
+        samples = np.array([float(penalty(params, batch, apply_fn, jax.random.key(s), 64, blocks))
+                            for s in range(8)])
+        assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)) + 1e-3 * abs(exact)
 
 
 @pytest.mark.slow
@@ -105,11 +134,18 @@ def test_trace_penalty_adds_gamma_times_the_estimate(tiny):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(grads))
 
 
-def test_bad_flat_configs_are_one_line_errors():
+def test_bad_flat_configs_are_one_line_errors(tiny):
     for bad in (dict(method="adam"), dict(rho=0.0), dict(noise_p=1.5), dict(noise_source="x"),
-                dict(ascent_groups=3)):
+                dict(ascent_groups=3), dict(method="label_noise", blocks="encoder"), dict(method="sam", blocks=""),
+                dict(method="sam", blocks="all,head"), dict(method="none", blocks="head")):
         with pytest.raises(UserError):
             flat.validate(flat.FlatConfig(**bad), batch_size=64)
+    flat.validate(flat.FlatConfig(method="trace_penalty", blocks="embed, layer_0/attn"), batch_size=64)
+    apply_fn, params, batch = tiny
+    for blocks, words in (("embed,layer_7/mlp", "'layer_7/mlp', not a block of this model; its blocks: head, "
+                                                "layer_0/attn, layer_0/mlp, embed"),):
+        with pytest.raises(UserError, match=words):
+            flat.make_objective(flat.FlatConfig(method="sam", blocks=blocks))(params, batch, apply_fn, None)
 
 
 def test_training_with_sam_logs_its_sharpness(tmp_path):
@@ -122,12 +158,23 @@ def test_training_with_sam_logs_its_sharpness(tmp_path):
     assert any(r.get("train/sam_sharpness", -1) > 0 for r in rows)
 
 
+def test_an_unknown_block_is_refused_before_anything_is_written(tmp_path):
+    out = run_cli("train", "--config", f"{REPO}/configs/hmm_mlm.py:tiny", "--quiet", "--config.train.steps=4",
+                  "--config.train.flat.method=sam", "--config.train.flat.blocks=embed,layer_9/attn",
+                  "--workdir", str(tmp_path / "w"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "'layer_9/attn', not a block of this model; its blocks: " in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["sam", "label_noise", "trace_penalty"])
+@pytest.mark.parametrize("method", ["sam", "label_noise", "trace_penalty", "trace_penalty:encoder"])
 def test_training_with_each_method_runs_and_resumes_the_same(tmp_path, method):
     """20 steps straight vs 10 + 10 resumed: the same final metrics (randomness keyed by step)."""
+    method, _, blocks = method.partition(":")
     args = ["train", "--config", f"{REPO}/configs/hmm_mlm.py:tiny", "--quiet", "--config.train.steps=20",
-            "--config.train.eval_every=10", "--config.checkpoint.every=10", f"--config.train.flat.method={method}"]
+            "--config.train.eval_every=10", "--config.checkpoint.every=10", f"--config.train.flat.method={method}",
+            f"--config.train.flat.blocks={blocks or 'all'}"]
     straight = run_cli(*args, "--workdir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-2000:]
     first = run_cli(*args, "--workdir", str(tmp_path / "b"), env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "11"})
@@ -163,7 +210,7 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
     apply_fn, params, batch = tiny
     key, probes, w = jax.random.key(5), 2, batch["weights"]
 
-    def reference(p):
+    def reference(p, encoder_only):
         k_y, k_eps = jax.random.split(key)
         out = []
         for k in jax.random.split(k_eps, probes):
@@ -174,13 +221,20 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
                 y = sample_labels(k_y, jax.lax.stop_gradient(logp))
                 return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
-            out.append(sum(jnp.sum(g * g) for g in jax.tree.leaves(jax.grad(signed)(p))) / w.sum())
+            g = jax.grad(signed)(p)
+            g = _without_head(g) if encoder_only else g
+            out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
         return jnp.mean(jnp.stack(out))
 
-    penalty = functools.partial(flat.fisher_penalty, batch=batch, apply_fn=apply_fn, key=key, probes=probes)
-    value, grad = jax.jit(jax.value_and_grad(penalty))(params)
-    want_value, want_grad = jax.jit(jax.value_and_grad(reference))(params)
-    assert float(value) == pytest.approx(float(want_value), rel=1e-5)
-    got, want = ravel_pytree(grad)[0], ravel_pytree(want_grad)[0]
-    assert float(jnp.abs(want).max()) > 0
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+    for blocks in ("all", "encoder"):
+        penalty = functools.partial(flat.fisher_penalty, batch=batch, apply_fn=apply_fn, key=key, probes=probes,
+                                    blocks=blocks)
+        value, grad = jax.jit(jax.value_and_grad(penalty))(params)
+        want_value, want_grad = jax.jit(jax.value_and_grad(reference), static_argnums=1)(params, blocks == "encoder")
+        assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+        got, want = ravel_pytree(grad)[0], ravel_pytree(want_grad)[0]
+        assert float(jnp.abs(want).max()) > 0
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+        if blocks == "encoder":  # the head's part is left out of the norm, and the head still gets a gradient
+            assert float(value) < 0.9 * float(jax.jit(reference, static_argnums=1)(params, False))
+            assert float(jnp.abs(ravel_pytree({k: grad[k] for k in HEAD_KEYS})[0]).max()) > 0

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm.models.blocks import block_group, path_names
+
 GroupFn = Callable[[tuple[str, ...]], str]  # parameter path, e.g. ("layer_0", "attn", "qkv") -> group name
 
 
@@ -138,18 +140,6 @@ def summarize(
     )
 
 
-def _path_names(path) -> tuple[str, ...]:
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-        else:
-            names.append(str(k))
-    return tuple(names)
-
-
 def top_level_group(path: tuple[str, ...]) -> str:
     """Default grouping: the top-level parameter key ("tok_embed", "layer_0", "head_dense", ...)."""
     return path[0] if path else "params"
@@ -172,23 +162,6 @@ def growth_group(path: tuple[str, ...]) -> str:
     return "growth_invariant" if path and path[-1] in GROWTH_INVARIANT else "growth_rescaled"
 
 
-def block_group(path: tuple[str, ...]) -> str:
-    """The model's blocks: "embed" (token / position embeddings and their LayerNorm), "layer_<i>/attn" and
-    "layer_<i>/mlp" (each sublayer with its own LayerNorm), "head" (the final LayerNorm and the MLM head), and for
-    other models each top-level module ("bilstm_0", ...; "tok_embed" -> "embed", "head*" -> "head")."""
-    if not path:
-        return "params"
-    top = path[0]
-    if top in ("tok_embed", "pos_embed", "embed_ln"):
-        return "embed"
-    if top == "final_ln" or top.startswith("head"):
-        return "head"
-    if top.startswith("layer_") and len(path) > 1:
-        sub = path[1]
-        return f"{top}/{'attn' if sub.startswith('attn') else 'mlp' if sub.startswith('mlp') else sub}"
-    return top
-
-
 GROUP_MODES = {"top": top_level_group, "leaf": leaf_group, "growth": growth_group, "block": block_group}
 
 
@@ -205,7 +178,7 @@ def param_groups(params, groups: GroupFn | str | None = None) -> tuple[list[str]
     names: list[str] = []
     ids: list[int] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = str(fn(_path_names(path)))
+        name = str(fn(path_names(path)))
         if name not in names:
             names.append(name)
         ids.append(names.index(name))
