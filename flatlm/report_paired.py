@@ -5,7 +5,9 @@ first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's l
 - `arms_vs_control`: per arm, how many seed pairs are at the "same loss" (`flatlm.claims.same_loss`: both exact KL
   <= 0.02 nats and the loss gap below max(0.005, 2 x subset std)) and the mean per-seed difference arm - control
   with its 95% t-interval (`flatlm.claims.paired_effect`) of the exact loss, probe and fine-tuning accuracy (first
-  task) and the flatness trace (the Fisher's where measured). A difference at not-the-same loss is not the
+  task) and the flatness trace (the Fisher's where measured), split into the encoder's blocks and the head's where
+  per-group traces were measured (flatlm.models.blocks; the follow-up flatness_seeking_encoder asks whether moving
+  the encoder's part moves the probe). A difference at not-the-same loss is not the
   paper's kind of evidence: the table says how many pairs qualify.
 - `pretraining_gain`: per arm, fine-tuning from the pre-trained weights minus fine-tuning the same run's
   initialisation (`eval.finetune.from_init`), paired over seeds: what pre-training adds to fine-tuning at all.
@@ -16,6 +18,18 @@ from __future__ import annotations
 
 from flatlm import claims
 from flatlm.config import SEED_SUFFIX
+from flatlm.models.blocks import block_group
+
+
+def split_trace(entry: dict) -> tuple[float | None, float | None]:
+    """(encoder, head) parts of a flatness entry's per-group traces: the head's groups are those flatlm.models.blocks
+    calls "head" (by their top-level name), the encoder every other; (None, None) without per-group traces or
+    without a head group."""
+    groups = (entry.get("detail") or {}).get("per_group") or {}
+    head = [v for g, v in groups.items() if block_group((g.split("/")[0],)) == "head"]
+    if not head or len(head) == len(groups):
+        return None, None
+    return sum(groups.values()) - sum(head), sum(head)
 
 
 def final(run) -> dict:
@@ -30,10 +44,11 @@ def final(run) -> dict:
     task = min((e["task"] for e in probes + tunes), default=None)
     pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)  # noqa: E731
     traces = sorted(at("flatness"), key=lambda e: (e.get("method") != "fisher", bool(e.get("grown_to"))))
+    encoder, head = split_trace(traces[0]) if traces else (None, None)
     return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
             "finetune_init": pick(at("finetune_init", None)),
             "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
-            "task": task}
+            "trace_encoder": encoder, "trace_head": head, "task": task}
 
 
 def effect(control: dict, treated: dict, key: str, scale: float, key_control: str | None = None) -> str:
@@ -66,13 +81,14 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
         return []
     task = next((p["task"] for p in base.values() if p.get("task")), None)
     method = next((p["method"] for p in base.values() if p.get("method")), None)
+    split = any(p.get("trace_head") is not None for p in base.values())
     title = title or f"Paired against {control} (last checkpoint; arm - {control}, mean [95% t-interval] over seeds)"
     md = [f"\n## {title}\n",
           f"Same loss: pairs with both exact KL <= {claims.MAX_KL} nats and |loss gap| < max({claims.MIN_LOSS_GAP}, "
           "2 x subset std) (flatlm.claims).\n",
           f"| arm | seeds | same loss | exact loss (nats) | probe {task} (pp) | fine-tune {task} (pp) | trace "
-          f"({method or '-'}) |",
-          "|---|---|---|---|---|---|---|"]
+          f"({method or '-'}) |" + (" encoder blocks | head |" if split else ""),
+          "|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
     for name, treated in arms.items():
         if name == control:
             continue
@@ -81,7 +97,8 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
         c, t = ({s: {**d[s], "loss": d[s]["loss"]["loss"]} for s in seeds} for d in (base, treated))
         md.append(f"| {name} | {len(seeds)} | {sum(same)} of {len(seeds)} | {effect(c, t, 'loss', 1.0)} | "
                   f"{effect(c, t, 'probe', 100.0)} | {effect(c, t, 'finetune', 100.0)} | "
-                  f"{effect(c, t, 'trace', 1.0)} |")
+                  f"{effect(c, t, 'trace', 1.0)} |"
+                  + (f" {effect(c, t, 'trace_encoder', 1.0)} | {effect(c, t, 'trace_head', 1.0)} |" if split else ""))
     return md
 
 

@@ -96,3 +96,34 @@ def test_arms_against_the_first_arm_and_the_gain_over_init():
         assert rows[arm][5] == _ci(np.subtract(tuned[arm], init[arm]))
     assert report_paired.pretraining_gain([_run_data("x-seed0", 1.0, 0.4, 0.5)]) == []  # no control measured
     assert report_paired.arms_vs_control(runs[:3]) == []  # one arm: nothing to compare
+
+
+def test_paired_traces_split_into_encoder_and_head_blocks():
+    """With per-group traces (top-level names of a BiLSTM run, or BERT's block names) the paired table adds the
+    encoder's part (every group but the head's) and the head's, each paired by hand."""
+    from flatlm import report_paired
+
+    groups = {"adamw": [{"tok_embed": 0.3, "bilstm_0": 0.2, "head": 18.0}, {"tok_embed": 0.4, "bilstm_0": 0.1,
+                                                                           "head": 17.0}],
+              "pen": [{"tok_embed": 0.1, "bilstm_0": 0.1, "head": 16.0}, {"tok_embed": 0.05, "bilstm_0": 0.15,
+                                                                          "head": 16.5}]}
+    runs = []
+    for arm, per_seed in groups.items():
+        for s, g in enumerate(per_seed):
+            r = _run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5)
+            r.results.append({"kind": "flatness", "step": 50, "method": "fisher", "trace": sum(g.values()),
+                              "detail": {"per_group": g}})
+            runs.append(r)
+    md = report_paired.arms_vs_control(runs)
+    head = [c.strip() for c in md[2].strip("|").split("|")]
+    assert head[-2:] == ["encoder blocks", "head"]
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| pen")]
+    part = lambda arm, head_part: [sum(v for k, v in g.items() if (k == "head") == head_part)  # noqa: E731
+                                   for g in groups[arm]]
+    assert row[-2] == _ci(np.subtract(part("pen", False), part("adamw", False)), 1.0)
+    assert row[-1] == _ci(np.subtract(part("pen", True), part("adamw", True)), 1.0)
+    bert = {"embed": 1.0, "layer_0/attn": 2.0, "layer_0/mlp": 3.0, "head": 4.0}
+    assert report_paired.split_trace({"detail": {"per_group": bert}}) == (6.0, 4.0)
+    assert report_paired.split_trace({"detail": {"per_group": {"final_ln": 1.0, "head_bias": 2.0, "layer_0": 3.0,
+                                                               "tok_embed": 4.0}}}) == (7.0, 3.0)
+    assert report_paired.split_trace({"detail": {"per_group": {"head": 1.0}}}) == (None, None)
