@@ -7,8 +7,9 @@ control (same seeds: same data order and initialisation).
 
 Settings fixed before any run of this experiment was seen: SAM rho 0.05 (flatness_seeking's); the Fisher penalty's
 gamma 0.1 and 1 (the encoder's Fisher trace was ~0.5 of the total ~18.6 under AdamW, so flatness_seeking's 0.01
-would weigh it ~40x less; 0.1 and 1 bracket an equal weight; 0.01 added afterwards, see METHODS); pre-training seeds 0, 1, 2 (every cpu preset's), and
-3, 4, 5 added with `--seeds 3,4,5` as flatness_seeking's were (docs/experiments/flatness_seeking_encoder-cpu).
+would weigh it ~40x less; 0.1 and 1 bracket an equal weight; 0.01 added afterwards, see METHODS); pre-training
+seeds 0, 1, 2 (every cpu preset's), and 3, 4, 5 added with `--seeds 3,4,5` as flatness_seeking's were
+(docs/experiments/flatness_seeking_encoder-cpu).
 Presets as flatness_seeking's: `tiny` (smoke test), `cpu` (the suite's HMM and BiLSTM), `paper` (the PCFG
 transformer of Figure 3, whose encoder is its embeddings and layers).
 """
