@@ -14,10 +14,12 @@ import pytest
 from conftest import REPO, run_cli
 from jax.flatten_util import ravel_pytree
 
+from flatlm.config import load_config
 from flatlm.errors import UserError
 from flatlm.models import Bert, BertConfig
 from flatlm.models.losses import mlm_loss, sample_labels
 from flatlm.train import flat_objectives as flat
+from flatlm.train import validate_config
 
 V, T, B = 7, 6, 8
 
@@ -141,6 +143,17 @@ def test_bad_flat_configs_are_one_line_errors(tiny):
         with pytest.raises(UserError):
             flat.validate(flat.FlatConfig(**bad), batch_size=64)
     flat.validate(flat.FlatConfig(method="trace_penalty", blocks="embed, layer_0/attn"), batch_size=64)
+    config = load_config(f"{REPO}/configs/hmm_mlm.py:tiny")
+    config.train.flat.update(method="sam", blocks="layer_0/attn")
+    validate_config(config)
+    config.model.update(kind="bert", num_layers=2)
+    config.train.update(steps=200)
+    validate_config(config)
+    config.train.stacking.stages = ((1, 100), (2, 100))
+    with pytest.raises(UserError, match="train.stacking adds stage by stage"):
+        validate_config(config)
+    config.train.flat.blocks = "encoder"
+    validate_config(config)
     apply_fn, params, batch = tiny
     for blocks, words in (("embed,layer_7/mlp", "'layer_7/mlp', not a block of this model; its blocks: head, "
                                                 "layer_0/attn, layer_0/mlp, embed"),):

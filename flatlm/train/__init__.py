@@ -3,6 +3,7 @@ stacking (`train.stacking`)."""
 
 from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
+from flatlm.models.blocks import ALL, ENCODER, parse_blocks
 from flatlm.train import adversarial, flat_objectives, stacking
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -34,3 +35,6 @@ def validate_config(config) -> None:
     if adv.active and adv.start_step >= train.steps:
         raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")
     stacking.validate(config)
+    if train.get("stacking", {}).get("stages") and parse_blocks(flat.blocks) not in ((ALL,), (ENCODER,)):
+        raise UserError(f"config.train.flat.blocks={flat.blocks!r} names blocks, which train.stacking adds stage by "
+                        "stage; with stacking use 'all' or 'encoder'")
