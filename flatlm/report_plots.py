@@ -152,7 +152,8 @@ def tick_labels_overlap(fig: Figure, axis: str = "x") -> bool:
 
 def per_group_bars(rows: list[tuple[str, dict, dict]], ylabel: str) -> Figure:
     """Per-block (per-group) traces as grouped bars ± their standard errors: one bar per run in `rows` (run name,
-    {group: trace}, {group: stderr}) at every group, groups in first-seen order (at most 6 runs)."""
+    {group: trace}, {group: stderr}) at every group, groups in first-seen order (at most 6 runs). A log scale when
+    every trace is positive and they span more than 100x, so small blocks stay visible."""
     groups = list(dict.fromkeys(g for _, per, _ in rows for g in per))
     fig, ax = subplots(figsize=(max(5.5, 0.6 * len(groups) * max(1, len(rows)) + 2), 4))
     width = 0.8 / max(1, len(rows))
@@ -162,7 +163,11 @@ def per_group_bars(rows: list[tuple[str, dict, dict]], ylabel: str) -> Figure:
         errs = [se.get(g) or 0.0 for g in groups]
         ax.bar(x + (i - (len(rows) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=name)
     ax.set_xticks(x, groups, rotation=45, ha="right", fontsize=8)
-    ax.axhline(0.0, color="k", lw=0.5)
+    finite = np.array([v for _, per, _ in rows for v in per.values() if np.isfinite(v)])
+    if finite.size and finite.min() > 0 and finite.max() > 100 * finite.min():  # e.g. a head 100x the encoder's
+        ax.set_yscale("log")
+    else:
+        ax.axhline(0.0, color="k", lw=0.5)
     ax.set(ylabel=ylabel, title="per-block traces (last checkpoint; ± standard error, or std over seeds for a mean)")
     ax.legend(fontsize=7)
     return fig

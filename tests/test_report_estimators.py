@@ -103,6 +103,11 @@ def test_per_block_panel_from_results_files(tmp_path):
         np.testing.assert_allclose([p.get_height() for p in bar.patches], list(per[name].values()))
         half = [seg[1, 1] - seg[0, 1] for seg in err.lines[2][0].get_segments()]
         np.testing.assert_allclose(half, [2 * 0.1 * v for v in per[name].values()])
+    assert ax.get_yscale() == "linear"  # 1.5 to 7: no need for a log scale
+    wide = [(n, {**pg, "head": 1e3 * pg["head"]}, se) for n, pg, se in rows]
+    assert plots.per_group_bars(wide, "Tr(H)").axes[0].get_yscale() == "log"  # head 1000x: small blocks visible
+    signed = [(n, {**pg, "embed": -1.0, "head": 1e3}, se) for n, pg, se in rows]
+    assert plots.per_group_bars(signed, "Tr(H)").axes[0].get_yscale() == "linear"  # a negative trace: linear
     md = report.make_report(dirs, str(tmp_path / "out")).read_text()
     assert (tmp_path / "out" / "trace_per_block.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Tr(H) Hutchinson per block" in md and "a: 15; b: 10" in md
