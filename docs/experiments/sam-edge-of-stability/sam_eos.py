@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--sentences", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--midpoint", action="store_true",
+                    help="also the top eigenvalue at the midpoint of this iterate and the next (a period-2 "
+                         "oscillation across a valley puts the iterates on its walls)")
     args = ap.parse_args()
     model = Bert(BertConfig(num_words=WORDS, max_len=LENGTH, d_model=32, num_layers=1, num_heads=2, dropout=0.0,
                             attention_dropout=0.0))
@@ -81,8 +84,13 @@ def main() -> None:
             loss, norm = (float(x) for x in loss_and_grad_norm(params))
             top = spectrum.top_eigenvalues(loss_fn, params, jax.random.key(t), k=1, num_iters=20)
             value, edge = float(top.values[0]), sam_edge(args.lr, args.rho, norm)
+            mid = ""
+            if args.midpoint:
+                halfway = jax.tree.map(lambda a, b: (a + b) / 2, params, step(params))
+                m = float(spectrum.top_eigenvalues(loss_fn, halfway, jax.random.key(t), k=1, num_iters=20).values[0])
+                mid = f"  midpoint top {m:8.3f} / edge {m / edge:.3f}"
             print(f"step {t:5d}  loss {loss:.4f}  |g| {norm:.4f}  top {value:8.3f} (+-{float(top.residual[0]):.1g})"
-                  f"  edge {edge:8.3f}  top / edge {value / edge:.3f}", flush=True)
+                  f"  edge {edge:8.3f}  top / edge {value / edge:.3f}{mid}", flush=True)
         if t < args.steps:
             params = step(params)
 
