@@ -42,6 +42,27 @@ PAPER_FLATNESS = dict(num_batches=5, batch_size=2_000, draws=50)
 CPU_FINETUNE = dict(epochs=20, lr_grid=(1e-4, 1e-3, 1e-2), from_init=True)
 
 
+def flatness_seeking_config(arg: str, name: str, methods: list[tuple[str, list[str]]], description: str,
+                            groups: str = "") -> ml_collections.ConfigDict:
+    """The flatness-seeking experiments' shared presets (configs/experiments/flatness_seeking*.py): `methods` over
+    the suite's base config of `arg`, the Fisher trace at every checkpoint (per `groups`); tiny: 40 steps, seeds 0, 1;
+    cpu: CPU_FINETUNE, seeds 0, 1, 2; paper: PAPER_FLATNESS, seeds 0, 1, 2."""
+    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
+    base = base_run_config(preset, language)
+    flatness = dict(enabled=True, method="fisher", **({"groups": groups} if groups else {}))
+    if preset == "tiny":
+        base.train.update(steps=40, eval_every=20)
+        base.checkpoint.every = 20
+        flatness.update(num_batches=1, draws=4)
+    elif preset == "cpu":
+        flatness.update(num_batches=2, draws=20)
+        base.eval.finetune.update(CPU_FINETUNE)  # the rate chosen on validation, and the init control
+    else:
+        flatness.update(PAPER_FLATNESS)
+    return experiment_config(name, base, methods, flatness=flatness, seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
+                             description=description)
+
+
 def _over_seeds(runs, seeds: tuple[int, ...]) -> list[tuple[str, list[str]]]:
     """(name, overrides) -> one (`<name>-seed<k>`, overrides + --config.seed=k) per seed k, seed-minor."""
     return [(f"{n}-seed{s}", [*o, f"--config.seed={s}"]) for n, o in runs for s in seeds]

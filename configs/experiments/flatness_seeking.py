@@ -12,7 +12,7 @@ across 0; with seeds 3-5 added (`--seeds 3,4,5`) no accuracy difference between 
 `paper` (the PCFG transformer of Figure 3).
 """
 
-from flatlm.experiment import CPU_FINETUNE, PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
+from flatlm.experiment import flatness_seeking_config
 
 METHODS = [("adamw", []),
            ("sam-rho0.05", ["--config.train.flat.method=sam", "--config.train.flat.rho=0.05"]),
@@ -21,18 +21,5 @@ METHODS = [("adamw", []),
 
 
 def get_config(arg: str = "tiny"):
-    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
-    base = base_run_config(preset, language)
-    flatness = dict(enabled=True, method="fisher")
-    if preset == "tiny":
-        base.train.update(steps=40, eval_every=20)
-        base.checkpoint.every = 20
-        flatness.update(num_batches=1, draws=4)
-    elif preset == "cpu":
-        flatness.update(num_batches=2, draws=20)
-        base.eval.finetune.update(CPU_FINETUNE)  # the rate chosen on validation, and the init control
-    else:
-        flatness.update(PAPER_FLATNESS)
-    return experiment_config("flatness_seeking", base, METHODS, flatness=flatness,
-                             seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
-                             description="AdamW vs SAM vs label noise vs a Tr(H) penalty at equal exact loss")
+    return flatness_seeking_config(arg, "flatness_seeking", METHODS,
+                                   "AdamW vs SAM vs label noise vs a Tr(H) penalty at equal exact loss")

@@ -14,7 +14,7 @@ Presets as flatness_seeking's: `tiny` (smoke test), `cpu` (the suite's HMM and B
 transformer of Figure 3, whose encoder is its embeddings and layers).
 """
 
-from flatlm.experiment import CPU_FINETUNE, PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
+from flatlm.experiment import flatness_seeking_config
 
 ENCODER = "--config.train.flat.blocks=encoder"
 METHODS = [("adamw", []),
@@ -30,18 +30,5 @@ METHODS = [("adamw", []),
 
 
 def get_config(arg: str = "tiny"):
-    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
-    base = base_run_config(preset, language)
-    flatness = dict(enabled=True, method="fisher", groups="block")
-    if preset == "tiny":
-        base.train.update(steps=40, eval_every=20)
-        base.checkpoint.every = 20
-        flatness.update(num_batches=1, draws=4)
-    elif preset == "cpu":
-        flatness.update(num_batches=2, draws=20)
-        base.eval.finetune.update(CPU_FINETUNE)
-    else:
-        flatness.update(PAPER_FLATNESS)
-    return experiment_config("flatness_seeking_encoder", base, METHODS, flatness=flatness,
-                             seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
-                             description="AdamW vs SAM / a Tr(H) penalty on the encoder's blocks at equal exact loss")
+    return flatness_seeking_config(arg, "flatness_seeking_encoder", METHODS, "AdamW vs SAM / a Tr(H) penalty on the "
+                                   "encoder's blocks at equal exact loss", groups="block")

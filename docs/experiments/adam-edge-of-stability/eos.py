@@ -27,6 +27,19 @@ from flatlm.models.losses import mlm_loss
 B1, B2, EPS, WORDS, LENGTH = 0.9, 0.999, 1e-8, 20, 8
 
 
+def fixed_mask_problem(sentences: int, seed: int):
+    """(model, batch, params): a BERT of d 32, one layer, two heads, and `sentences` random 8-token sentences with
+    fixed 15 % BERT masks (a deterministic full-batch objective), drawn from `seed`; also ../sam-edge-of-stability."""
+    model = Bert(BertConfig(num_words=WORDS, max_len=LENGTH, d_model=32, num_layers=1, num_heads=2, dropout=0.0,
+                            attention_dropout=0.0))
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, WORDS, (sentences, LENGTH))
+    batch = {k: jnp.asarray(v) for k, v in
+             mask_batch(tokens, np.full(sentences, LENGTH), WORDS, rng, masking="bert").items()}
+    params = nn.unbox(model.init(jax.random.key(seed), jnp.zeros((1, LENGTH), jnp.int32))["params"])
+    return model, batch, params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lr", type=float, default=1e-2)
@@ -35,13 +48,7 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    model = Bert(BertConfig(num_words=WORDS, max_len=LENGTH, d_model=32, num_layers=1, num_heads=2, dropout=0.0,
-                            attention_dropout=0.0))
-    rng = np.random.default_rng(args.seed)
-    tokens = rng.integers(0, WORDS, (args.sentences, LENGTH))
-    batch = {k: jnp.asarray(v) for k, v in
-             mask_batch(tokens, np.full(args.sentences, LENGTH), WORDS, rng, masking="bert").items()}
-    params = nn.unbox(model.init(jax.random.key(args.seed), jnp.zeros((1, LENGTH), jnp.int32))["params"])
+    model, batch, params = fixed_mask_problem(args.sentences, args.seed)
     loss_fn = lambda p: mlm_loss(p, batch, model.apply)  # noqa: E731
     opt = optax.adam(args.lr, b1=B1, b2=B2, eps=EPS)
     state = opt.init(params)

@@ -19,20 +19,25 @@ the top eigenvalue of the loss's Hessian (20 Lanczos steps) and |g|.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import linen as nn
 
-from flatlm.data.masking import mask_batch
 from flatlm.flatness import spectrum
-from flatlm.models.bert import Bert, BertConfig
 from flatlm.models.losses import mlm_loss
 from flatlm.train import flat_objectives
 
-WORDS, LENGTH = 20, 8
+
+def _adam_page():
+    """../adam-edge-of-stability/eos.py as a module: the same model and fixed-mask batch."""
+    path = Path(__file__).resolve().parents[1] / "adam-edge-of-stability" / "eos.py"
+    spec = importlib.util.spec_from_file_location("adam_eos", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sam_edge(lr: float, rho: float, grad_norm: float) -> float:
@@ -54,13 +59,7 @@ def main() -> None:
                     help="also the top eigenvalue at the midpoint of this iterate and the next (a period-2 "
                          "oscillation across a valley puts the iterates on its walls)")
     args = ap.parse_args()
-    model = Bert(BertConfig(num_words=WORDS, max_len=LENGTH, d_model=32, num_layers=1, num_heads=2, dropout=0.0,
-                            attention_dropout=0.0))
-    rng = np.random.default_rng(args.seed)
-    tokens = rng.integers(0, WORDS, (args.sentences, LENGTH))
-    batch = {k: jnp.asarray(v) for k, v in
-             mask_batch(tokens, np.full(args.sentences, LENGTH), WORDS, rng, masking="bert").items()}
-    params = nn.unbox(model.init(jax.random.key(args.seed), jnp.zeros((1, LENGTH), jnp.int32))["params"])
+    model, batch, params = _adam_page().fixed_mask_problem(args.sentences, args.seed)
     loss_fn = lambda p: mlm_loss(p, batch, model.apply)  # noqa: E731
     if args.rho:
         sam = flat_objectives.make_objective(flat_objectives.FlatConfig(method="sam", rho=args.rho))
