@@ -24,6 +24,7 @@ LAYERS = [
     ("flatlm.evaluate",),  # evaluators of (apply_fn, params): exact loss, probe, fine-tuning
     ("flatlm.train", "flatlm.flatness"),
     ("flatlm.experiment", "flatlm.report", "flatlm.report_plots", "flatlm.report_stacking", "flatlm.report_paired",
+     "flatlm.report_curvature",
      "flatlm.demo",
      "flatlm.theory", "flatlm.claims", "flatlm.reproduce"),
     ("flatlm.cli",),
