@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from flatlm.cli.common import add_output_flags, non_negative_int, parse_steps, positive_int
 from flatlm.flatness.compare import METHODS
-from flatlm.flatness.runner import SPLITS, measure_run
+from flatlm.flatness.runner import measure_run
+from flatlm.results import SPLITS
 from flatlm.run import load_run
 from flatlm.table import print_json, print_table
 

@@ -26,8 +26,6 @@ from flatlm.flatness import preconditioned as precond
 from flatlm.models import Bert, BiLSTM
 from flatlm.run import Run, load_run
 
-SPLITS = results_lib.SPLITS  # what flatness is measured on: see measure_run
-
 
 def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher", *, num_probes: int = 64,
                 num_batches: int = 4, batch_size: int = 128, draws: int = 50, seed: int = 0,
@@ -49,8 +47,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     """
     if preconditioned and (grow_to is not None or gap):
         raise UserError("the preconditioned sharpness reads the run's own Adam state: not with grow_to or gap")
-    if split not in SPLITS:
-        raise UserError(f"flatness split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split not in results_lib.SPLITS:
+        raise UserError(f"flatness split must be one of {', '.join(results_lib.SPLITS)}, got {split!r}")
     load_adam = precond.adam_loader(run) if preconditioned else None
     with locks.exclusive(run.workdir, "measuring flatness", enabled=append and not gap and jax.process_index() == 0):
         model = run.model
