@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import grain
 import jax
@@ -213,14 +214,25 @@ class _DropDiskFullLogs(logging.Filter):
 _DROP_DISK_FULL_LOGS = _DropDiskFullLogs()
 
 
-def _clean_up_failed_save(directory, step: int) -> None:
-    """Wait for the writes of a failed save that are still under way, then remove its temporary folder."""
+def _clean_up_failed_save(directory, step: int, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
+    """Wait for the writes of a failed save that are still under way, then remove its temporary folder.
+
+    Joining orbax's own threads is not enough: some of its writes run in asyncio's executor threads (plain
+    `threading.Thread`s that stay alive idle), and one of those may (re)create a file in the folder after it is
+    removed (seen once in CI). So the folder is removed until it has stayed gone for `quiet_s` seconds (at most
+    `limit_s` in all)."""
     for thread in threading.enumerate():
         if type(thread).__module__.startswith("orbax") and thread is not threading.current_thread():
-            thread.join(timeout=60)
-    for tmp in paths.path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
-        with contextlib.suppress(OSError):
-            tmp.rmtree()
+            thread.join(timeout=limit_s)
+    start = quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < quiet_s and time.monotonic() - start < limit_s:
+        leftovers = list(paths.path(directory).glob(f"{step}.orbax-checkpoint-tmp*"))
+        for tmp in leftovers:
+            with contextlib.suppress(OSError):  # a file created while it is removed: the next pass gets it
+                tmp.rmtree()
+        if leftovers:
+            quiet_since = time.monotonic()
+        time.sleep(0.02)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iterator=None, force: bool = True) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import jax
@@ -265,6 +266,38 @@ def test_disk_full_injected_while_saving(tmp_path, monkeypatch):
         ckpt.save(mngr, 2, {"x": jnp.arange(3.0)})
     assert sorted(p.name for p in folder.iterdir()) == ["1"]
     assert (folder / "1" / ckpt.MANIFEST).exists()
+
+
+def test_a_write_that_lands_after_the_cleanup_is_removed_too(tmp_path, monkeypatch):
+    """A failed save's straggling write (orbax runs some in asyncio's executor threads, which no join reaches)
+    recreates the temporary folder just after it is first removed: it is removed again."""
+    import threading
+
+    import jax.numpy as jnp
+
+    mngr = ckpt.manager(str(tmp_path), keep=3)
+    ckpt.save(mngr, 1, {"x": jnp.arange(3.0)})
+    folder = tmp_path / "checkpoints"
+    tmp = folder / "2.orbax-checkpoint-tmp"
+    recreated = threading.Event()
+
+    def straggler():
+        while tmp.exists():
+            time.sleep(0.001)
+        (tmp / "state").mkdir(parents=True)
+        (tmp / "state" / "late").write_bytes(b"x")
+        recreated.set()
+
+    def full(step, args, force):
+        (tmp / "state").mkdir(parents=True)
+        threading.Thread(target=straggler, daemon=True).start()
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing ...: No space left on device [os_error_code='28']")
+
+    monkeypatch.setattr(mngr, "save", full)
+    with pytest.raises(DiskFull, match=r"while writing checkpoint 2; earlier checkpoints are intact"):
+        ckpt.save(mngr, 2, {"x": jnp.arange(3.0)})
+    assert recreated.wait(timeout=10)  # the straggler did write after the first removal
+    assert sorted(p.name for p in folder.iterdir()) == ["1"]
 
 
 def _fill(disk: Path) -> Path:
