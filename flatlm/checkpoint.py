@@ -39,7 +39,15 @@ DAMAGE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)
 
 def validate_config(checkpoint) -> None:
     """Check a config's `checkpoint` section; one line naming `checkpoint.<field>` on failure."""
-    check_positive(checkpoint, "checkpoint", "every", "keep")
+    check_positive(checkpoint, "checkpoint", "every", "keep", "convergence_patience")
+    if not checkpoint.log_factor > 1:  # the log-spaced steps s0 * log_factor^i would never pass the last step
+        raise UserError(f"config.checkpoint.log_factor must be > 1, got {checkpoint.log_factor}")
+    if not 0 <= checkpoint.convergence_tol < 1:
+        raise UserError(f"config.checkpoint.convergence_tol is a relative gain in [0, 1), got "
+                        f"{checkpoint.convergence_tol}")
+    if not checkpoint.get("convergence_max_kl", 0.0) >= 0:
+        raise UserError(f"config.checkpoint.convergence_max_kl is in nats, >= 0 (0: off), got "
+                        f"{checkpoint.convergence_max_kl}")
 
 
 class PinnedSteps(ocp.checkpoint_managers.PreservationPolicy):

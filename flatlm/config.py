@@ -135,8 +135,11 @@ def base_config() -> ml_collections.ConfigDict:
             steps=(),  # also saved and kept forever
             # "Continue after convergence" (paper Figure 1): once the exact KL stops improving (relative gain
             # below `convergence_tol` for `convergence_patience` evals in a row) at step s0, save and keep
-            # checkpoints at s0 * log_factor^i.
+            # checkpoints at s0 * log_factor^i. convergence_max_kl > 0 also asks that the exact KL at s0 be at
+            # most that many nats (the "same loss" band, flatlm.claims.MAX_KL): a plateau above the band is not
+            # the regime Figure 1 is about. 0: the plateau alone (the paper's wording, B.1).
             after_convergence=False, convergence_patience=3, convergence_tol=0.02, log_factor=2.0,
+            convergence_max_kl=0.0,
         )
     )
     return c

@@ -28,6 +28,10 @@ TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
         (["--config", TINY, "--config.train.lr=fast"], "expects float"),
         (["--config", "configs/nope.py"], "not found"),
         (["--config", TINY, "--bogus"], "unrecognised argument '--bogus'"),
+        (["--config", TINY, "--config.checkpoint.log_factor=1.0"], "checkpoint.log_factor must be > 1"),
+        (["--config", TINY, "--config.checkpoint.convergence_tol=1.5"], "checkpoint.convergence_tol is a relative"),
+        (["--config", TINY, "--config.checkpoint.convergence_max_kl=-0.1"], "checkpoint.convergence_max_kl is in"),
+        (["--config", TINY, "--config.checkpoint.convergence_patience=0"], "convergence_patience must be positive"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(args, needle, tmp_path, capsys):

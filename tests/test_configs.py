@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from flatlm import claims
 from flatlm.config import load_config
 from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
@@ -49,6 +50,7 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
     if name == "fig1_after_convergence":
         c = configs[0]
         assert c.checkpoint.after_convergence and c.train.schedule == "constant"
+        assert c.checkpoint.convergence_max_kl == claims.MAX_KL  # converged means inside the "same loss" band
     if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table1_hmm", "table2"):
         assert exp.flatness.enabled and exp.flatness.method == "fisher"
 

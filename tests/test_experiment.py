@@ -45,6 +45,29 @@ def test_convergence_watch_pins_log_spaced_steps_after_the_kl_plateau(tmp_path):
     assert again.steps == {50, 100, 200, 400, 800}
 
 
+class _CkptInBand(_Ckpt):
+    convergence_max_kl = 0.02
+
+
+def test_convergence_watch_with_a_band_waits_for_the_plateau_to_be_inside_it(tmp_path):
+    """A plateau above `convergence_max_kl` is not convergence; the first plateaued eval inside the band is."""
+    pinned = ckpt.PinnedSteps()
+    watch = ConvergenceWatch(_CkptInBand, 1000, str(tmp_path), pinned)
+    # plateaued at step 40 above the band; 0.0199 is a gain (stalls back to 0); plateaued again at step 70, but
+    # that eval is above the band; step 80 is both
+    for step, kl in [(10, 0.05), (20, 0.025), (30, 0.0249), (40, 0.0251), (50, 0.0199), (60, 0.0203), (70, 0.0205)]:
+        watch.update(step, kl)
+        assert watch.state["converged_at"] is None, step
+    assert watch.state["stalls"] == 2
+    watch.update(80, 0.0198)
+    assert watch.state["converged_at"] == 80 and watch.state["log_steps"] == [80, 160, 320, 640]
+    (tmp_path / "plain").mkdir()
+    plain = ConvergenceWatch(_Ckpt, 1000, str(tmp_path / "plain"), ckpt.PinnedSteps())
+    for step, kl in [(10, 0.05), (20, 0.025), (30, 0.0249), (40, 0.0251)]:
+        plain.update(step, kl)
+    assert plain.state["converged_at"] == 40  # without the band: the plateau alone (the paper's rule)
+
+
 def test_spearman_bootstrap_interval():
     rho, lo, hi = spearman_with_ci([1, 2, 3, 4, 5, 6], [2, 4, 5, 7, 8, 20])
     assert rho == pytest.approx(1.0) and lo == pytest.approx(1.0) and hi == pytest.approx(1.0)

@@ -1,5 +1,6 @@
 """Figure 1: continue pre-training after convergence; the loss stays flat while downstream accuracy moves."""
 
+from flatlm import claims
 from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 
@@ -18,6 +19,11 @@ def get_config(arg: str = "tiny"):
         # after it (s0 x 1.4^k for k = 1..4 <= 3.84 s0) within 8000 steps as long as s0 <= 2080.
         base.train.update(steps=8000, eval_every=200, schedule="constant", warmup_frac=0.06, lr=1e-3)
         base.checkpoint.update(every=8000, convergence_patience=2, convergence_tol=0.1, log_factor=1.4)
+        # Two complete runs (docs/reproduction/cpu, cpu-rerun) declared convergence at a plateau whose exact KL
+        # was 0.022-0.028 on every seed, outside the "same loss" band, so C1 was inconclusive by construction.
+        # Since then convergence also needs the exact KL inside the band (changed after seeing those runs, their
+        # effects included: docs/reproduction/cpu-band); 2-3 checkpoints then follow it within 8000 steps.
+        base.checkpoint.convergence_max_kl = claims.MAX_KL
     else:
         base.train.update(steps=200_000, eval_every=2_000, schedule="constant")
         base.checkpoint.every = 10_000

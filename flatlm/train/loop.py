@@ -133,7 +133,8 @@ def adversarial_setup(run: Run, start: int):
 
 
 class ConvergenceWatch:
-    """Detects when the exact KL stops improving and pins log-spaced checkpoint steps after that point.
+    """Detects when the exact KL stops improving (and, with `convergence_max_kl`, is inside that band) and pins
+    log-spaced checkpoint steps after that point.
 
     State lives in `<workdir>/convergence.json`, so a resumed run keeps its schedule.
     """
@@ -155,7 +156,8 @@ class ConvergenceWatch:
             s["best"], s["stalls"] = kl, 0
         else:
             s["stalls"] += 1
-        if s["stalls"] >= self.cfg.convergence_patience:
+        max_kl = getattr(self.cfg, "convergence_max_kl", 0.0)  # absent from configs written before it existed
+        if s["stalls"] >= self.cfg.convergence_patience and (not max_kl or kl <= max_kl):
             s["converged_at"] = step
             steps, x = [], float(step)
             while round(x) <= self.total:
