@@ -132,6 +132,23 @@ def _acc_cell(e: dict) -> str:
     return _pm(e["accuracy"], e["accuracy_std"]) + lr + (MAJORITY_MARK if low else "")
 
 
+def grid_edge_note(runs: list[RunData]) -> list[str]:
+    """A note when fine-tuning chose its rate at an end of `eval.finetune.lr_grid`: the validation optimum may lie
+    beyond the grid, so those accuracies are lower bounds of what a wider grid gives."""
+    chosen = [(e["detail"]["lr"], e["detail"]["lr_selection"]["grid"]) for r in runs for e in r.results
+              if e["kind"] in ("finetune", "finetune_init") and "lr_selection" in e.get("detail", {})]
+    ends = {"largest": [lr for lr, grid in chosen if len(grid) > 1 and lr == max(grid)],
+            "smallest": [lr for lr, grid in chosen if len(grid) > 1 and lr == min(grid)]}
+    count = sum(map(len, ends.values()))
+    if not count:
+        return []
+    said = " and ".join(f"{len(v)} at its {end} rate ({', '.join(f'{x:g}' for x in sorted(set(v)))})"
+                        for end, v in ends.items() if v)
+    return [f"\nFine-tuning chose its rate at an end of the grid in {count} of {len(chosen)} fine-tunings "
+            f"({said}): the best rate on validation may lie outside the grid, so these accuracies are lower "
+            "bounds of what a wider `eval.finetune.lr_grid` gives."]
+
+
 def _tuned(run: RunData, task: str, kind: str = "finetune") -> dict:
     """{step: entry} of a run's fine-tuning results on `task` (the last of each step); kind "finetune_init" (the
     fine-tuned initialisation, `eval.finetune.from_init`) has one step, None."""
@@ -262,6 +279,7 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     if any(MAJORITY_MARK in c for row in rows for c in row):
         md.append(f"\n{MAJORITY_MARK.strip()} at or below the majority-class rate of its split (within 0.5 pp): the "
                   "head predicts (almost) one class, so this accuracy carries no signal about the encoder.")
+    md += grid_edge_note(runs)
     seed_rows = seed_table(runs, tasks, init_tasks)
     if seed_rows:
         head = ["run", "seeds", "exact loss", "KL"] + [f"probe {t} (%)" for t in tasks] + \

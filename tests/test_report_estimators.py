@@ -156,3 +156,26 @@ def test_accuracies_at_the_majority_rate_are_marked(tmp_path):
     assert "48.8 ± 0.0 †" in rows["flat"] and "60.0 ± 0.0 †" not in rows["learns"]
     assert rows["flat"].count("†") == 1  # the probe entry has no recorded rate: never marked
     assert "at or below the majority-class rate" in md
+
+
+def test_rates_chosen_at_an_end_of_the_grid_are_counted(tmp_path):
+    """Fine-tuning whose validation-chosen rate is the grid's largest or smallest is counted in one note (the
+    optimum may lie beyond the grid); an interior choice and a fixed-rate fine-tuning are not."""
+    grid = [1e-4, 1e-3, 1e-2]
+    chosen = {"top": 1e-2, "top2": 1e-2, "middle": 1e-3, "bottom": 1e-4}
+    dirs = []
+    for name, lr in chosen.items():
+        wd = tmp_path / name
+        wd.mkdir()
+        (wd / "config.json").write_text("{}")
+        tuned = {"kind": "finetune", "step": 10, "task": "A", "accuracy": 0.6, "accuracy_std": 0.0,
+                 "detail": {"lr": lr, "lr_selection": {"split": "validation", "grid": grid, "accuracy": []}}}
+        fixed = {"kind": "finetune", "step": 5, "task": "A", "accuracy": 0.5, "accuracy_std": 0.0,
+                 "detail": {"lr": 1e-2}}  # the fixed rate: no grid, never counted
+        results.append(str(wd), [fixed, tuned])
+        dirs.append(str(wd))
+    md = report.make_report(dirs, str(tmp_path / "out")).read_text()
+    assert ("at an end of the grid in 3 of 4 fine-tunings (2 at its largest rate (0.01) and 1 at its smallest "
+            "rate (0.0001))") in md
+    md = report.make_report(dirs[2:3], str(tmp_path / "out2")).read_text()
+    assert "end of the grid" not in md
