@@ -269,9 +269,12 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
         look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
         if look:
             cells = ["-"] * len(tasks)
-            cells[tasks.index(t)] = _pm(look[-1]["accuracy"], look[-1]["accuracy_std"])
+            accs = plots.lookup_accuracies(runs, t)  # one per run: several runs give their mean ± std
+            cells[tasks.index(t)] = (_pm(look[-1]["accuracy"], look[-1]["accuracy_std"]) if len(accs) == 1 else
+                                     _pm(np.mean(accs), np.std(accs, ddof=1)))
+            name = f"lookup table ({t})" if len(accs) == 1 else f"lookup table ({t}, mean over {len(accs)} runs)"
             ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
-            rows.append([f"lookup table ({t})", "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
+            rows.append([name, "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
                          *(["-"] * (len(tasks) + len(init_tasks))), *(["-"] * len(ests))])
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

@@ -78,6 +78,16 @@ def mean_std_over_seeds(members, task: str) -> tuple[list[int], np.ndarray, np.n
     return steps, mean, std
 
 
+def lookup_accuracies(runs, task: str) -> list[float]:
+    """The lookup-table probe accuracy on `task` of every run that has one (each run's last entry)."""
+    out = []
+    for r in runs:
+        look = [e for e in r.results if e["kind"] == "lookup_table" and e.get("task") == task]
+        if look:
+            out.append(float(look[-1]["accuracy"]))
+    return out
+
+
 def accuracy_vs_steps(runs, tasks: list[str]) -> Figure:
     """Probe accuracy vs steps, one line per method (mean ± std over its pre-training seeds), per task."""
     fig, axes = subplots(len(tasks), figsize=(5 * len(tasks), 3.8))
@@ -87,9 +97,10 @@ def accuracy_vs_steps(runs, tasks: list[str]) -> Figure:
             if steps:
                 label = f"{name} ({len(members)} seeds)" if len(members) > 1 else name
                 ax.errorbar(steps, 100 * mean, 100 * std, fmt="o-", ms=3, capsize=2, label=label)
-        look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
-        if look:
-            ax.axhline(100 * look[-1]["accuracy"], color="k", ls=":", label="lookup table")
+        look = lookup_accuracies(runs, t)
+        if look:  # one probe on the exact conditionals per run (its own probe seeds): their mean, range in the label
+            spread = f" (mean of {len(look)}: {100 * min(look):.1f}-{100 * max(look):.1f})" if len(look) > 1 else ""
+            ax.axhline(100 * np.mean(look), color="k", ls=":", label="lookup table" + spread)
         ax.set(xlabel="step", ylabel="probe accuracy (%), mean ± std", title=f"task {t}")
         if ax.get_legend_handles_labels()[0]:  # runs without probe results draw nothing to label
             ax.legend(fontsize=7)

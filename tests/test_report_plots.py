@@ -57,3 +57,17 @@ def test_size_tick_labels_do_not_overlap():
     ax.set(xscale="log")
     ax.set_xticks(sizes, [f"{n:,}" for n in sizes], fontsize=14)
     assert plots.tick_labels_overlap(old)
+
+
+def test_the_lookup_table_line_is_the_mean_over_runs():
+    """Each run probes the exact conditionals with its own probe seeds: the line is their mean (it was the last
+    run's), and the legend gives how many and their range."""
+    runs = [_run(f"adamw-seed{k}", [0.5, 0.6], [0.01, 0.01]) for k in range(3)]
+    for r, acc in zip(runs, (0.537, 0.534, 0.502)):
+        r.results.append({"kind": "lookup_table", "task": "A", "accuracy": acc, "accuracy_std": 0.0})
+    runs[0].results.append({"kind": "lookup_table", "task": "B", "accuracy": 0.9, "accuracy_std": 0.0})
+    assert plots.lookup_accuracies(runs, "A") == [0.537, 0.534, 0.502]
+    (ax,) = plots.accuracy_vs_steps(runs, ["A"]).axes
+    (line,) = [x for x in ax.lines if x.get_linestyle() == ":"]
+    np.testing.assert_allclose(line.get_ydata(), 100 * np.mean([0.537, 0.534, 0.502]))
+    assert "lookup table (mean of 3: 50.2-53.7)" in ax.get_legend_handles_labels()[1]

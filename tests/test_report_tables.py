@@ -127,3 +127,21 @@ def test_paired_traces_split_into_encoder_and_head_blocks():
     assert report_paired.split_trace({"detail": {"per_group": {"final_ln": 1.0, "head_bias": 2.0, "layer_0": 3.0,
                                                                "tok_embed": 4.0}}}) == (7.0, 3.0)
     assert report_paired.split_trace({"detail": {"per_group": {"head": 1.0}}}) == (None, None)
+
+
+def test_the_lookup_table_row_is_the_mean_over_runs(tmp_path):
+    """Several runs each probe the exact conditionals (their own probe seeds): one row, mean ± std over runs."""
+    dirs = []
+    for k, acc in enumerate((0.50, 0.54)):
+        wd = tmp_path / f"m-seed{k}"
+        wd.mkdir()
+        (wd / "config.json").write_text("{}")
+        results.append(str(wd), [{"kind": "probe", "step": 10, "task": "k4", "accuracy": 0.6, "accuracy_std": 0.0},
+                                 {"kind": "lookup_table", "task": "k4", "accuracy": acc, "accuracy_std": 0.01}])
+        dirs.append(str(wd))
+    head, *rows = _table(report.make_report(dirs, str(tmp_path / "out")).read_text(), "## Table (last checkpoint")
+    (look,) = [r for r in rows if r[0].startswith("lookup table")]
+    assert look[0] == "lookup table (k4, mean over 2 runs)"
+    assert look[head.index("probe k4 (%)")] == f"52.0 ± {100 * np.std([0.50, 0.54], ddof=1):.1f}"
+    head, *rows = _table(report.make_report(dirs[:1], str(tmp_path / "one")).read_text(), "## Table (last check")
+    assert [r for r in rows if r[0].startswith("lookup")][0][head.index("probe k4 (%)")] == "50.0 ± 1.0"
