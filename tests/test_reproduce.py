@@ -91,6 +91,31 @@ def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_th
     assert trace.verdict == acc.verdict == "reproduced" and len(result.same_loss) == 3
 
 
+def test_a_last_checkpoint_outside_the_band_gives_way_to_the_last_one_inside(tmp_path):
+    """Seed 1's final SGD checkpoint is just outside the band: its pair ends at the last in-band checkpoint (with
+    a note), so the claim is judged instead of being inconclusive; with none in the band after the first, the
+    final one is still compared and fails the same-loss check."""
+    exp = _dir(tmp_path, "fig3_sgd")
+    for s in SEEDS:
+        final_kl = 0.021 if s == 1 else 0.017
+        _run(exp, f"sgd-lr0.5-seed{s}", {4000: (2.001, 0.019, 0.33, 7.0), 8000: (2.000, 0.018, 0.35, 6.0),
+                                         10000: (2.000, final_kl, 0.36 + 0.01 * s, 5.0)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
+    trace, acc = result.findings[:2]
+    assert trace.effect.differences == pytest.approx((-2.0, -1.0, -2.0))  # seed 1 ends at step 8000
+    assert acc.effect.differences == pytest.approx((0.03, 0.02, 0.05))
+    assert all(c.ok for _, c in result.same_loss) and trace.verdict == "reproduced"
+    assert result.notes[0] == ("seed 1: the last checkpoint (step 10000, KL 0.0210) is outside the band; compared "
+                               "the last one inside it (step 8000)")
+    assert not any("outside the band" in n for n in result.notes[1:])
+    (tmp_path / "none").mkdir()
+    exp = _dir(tmp_path / "none", "fig3_sgd")
+    for s in SEEDS:
+        _run(exp, f"sgd-lr0.5-seed{s}", {4000: (2.001, 0.019, 0.33, 7.0), 8000: (2.000, 0.021, 0.35, 6.0)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path / "none"), ("C4",))
+    assert result.verdict == "inconclusive" and not any(c.ok for _, c in result.same_loss)
+
+
 def test_c2_orders_models_by_parameter_count(tmp_path):
     for name, _key in (("fig2_model_sizes", "acc"), ("fig5_grown_sizes", "trace")):
         exp = _dir(tmp_path, name)
