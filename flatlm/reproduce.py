@@ -66,7 +66,7 @@ PAPER_VALUES = {
 class Finding:
     """One measured effect of a claim and its verdict."""
 
-    name: str  # e.g. "probe accuracy: last - first checkpoint after convergence"
+    name: str  # e.g. "probe accuracy: last in-band - first checkpoint after convergence"
     expected_sign: int  # the paper's direction (+1: the difference is positive)
     effect: claims.Effect | None
     verdict: str
@@ -249,10 +249,10 @@ def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
 
 
 def claim_c1(exp: Path) -> ClaimResult:
-    """Figure 1: first vs last checkpoint after convergence, per seed."""
+    """Figure 1: first vs last in-band checkpoint after convergence (`_after_convergence`), per seed."""
     first, last, notes = _after_convergence(exp)
-    found, checks = _pairs(first, last, "first vs last after convergence",
-                           _named((ACC, TRACE_DOWN), "last - first checkpoint after convergence"))
+    found, checks = _pairs(first, last, "first vs last in-band after convergence",
+                           _named((ACC, TRACE_DOWN), "last in-band - first checkpoint after convergence"))
     return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes)
 
 
@@ -313,10 +313,11 @@ def claim_c3(*exps: Path) -> ClaimResult:
 
 
 def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
-    """Figure 3: SGD first vs last checkpoint after convergence; Spearman(Tr(H), accuracy) over equal-loss models."""
+    """Figure 3: SGD first vs last in-band checkpoint after convergence (`_after_convergence`); Spearman(Tr(H),
+    accuracy) over equal-loss models."""
     first, last, notes = _after_convergence(fig3)
-    found, checks = _pairs(first, last, "SGD first vs last after convergence",
-                           _named((TRACE_DOWN, ACC), "last - first SGD checkpoint after convergence"))
+    found, checks = _pairs(first, last, "SGD first vs last in-band after convergence",
+                           _named((TRACE_DOWN, ACC), "last in-band - first SGD checkpoint after convergence"))
     pts = [(p["trace"], p["accuracy"]) for d in [fig3, *equal_loss_dirs] if d.exists() for r in find_runs([str(d)])
            for p in [_final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
            and p["loss"]["kl"] <= claims.MAX_KL]
