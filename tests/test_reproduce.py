@@ -56,6 +56,24 @@ def test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_repr
     assert len(result.same_loss) == 9 and all(c.ok for _, c in result.same_loss)
 
 
+def test_c3_notes_the_lookup_table_mean_over_the_adamw_runs(tmp_path):
+    """Each AdamW run probes the exact conditionals with its own probe seeds: the note gives their mean and range
+    (it gave the first run's)."""
+    for name in ("table1_hmm", "table1", "table2"):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40, 5.0)})
+            _run(exp, f"adversarial-lam1-seed{s}", {900: (2.002, 0.012, 0.25, 7.0)})
+            path = exp / "runs" / f"adamw-seed{s}" / "results.json"
+            stored = json.loads(path.read_text())
+            stored["results"].append({"kind": "lookup_table", "task": "k6", "accuracy": 0.50 + 0.02 * s,
+                                      "accuracy_std": 0.01})
+            path.write_text(json.dumps(stored))
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
+    assert "table1_hmm-hmm: lookup table (optimal loss) probe accuracy 52.0% on task k6 (mean of 3 runs: " \
+           "50.0-54.0)" in result.notes
+
+
 def test_c3_is_inconclusive_when_a_pair_is_not_at_the_same_loss(tmp_path):
     for name in ("table1_hmm", "table1", "table2"):
         exp = _dir(tmp_path, name)
