@@ -134,7 +134,7 @@ def _acc_cell(e: dict) -> str:
 
 def grid_edge_note(runs: list[RunData]) -> list[str]:
     """A note when fine-tuning chose its rate at an end of `eval.finetune.lr_grid`: the validation optimum may lie
-    beyond the grid, so those accuracies are lower bounds of what a wider grid gives."""
+    beyond the grid, so those accuracies may understate what a wider grid gives."""
     chosen = [(e["detail"]["lr"], e["detail"]["lr_selection"]["grid"]) for r in runs for e in r.results
               if e["kind"] in ("finetune", "finetune_init") and "lr_selection" in e.get("detail", {})]
     ends = {"largest": [lr for lr, grid in chosen if len(grid) > 1 and lr == max(grid)],
@@ -145,8 +145,8 @@ def grid_edge_note(runs: list[RunData]) -> list[str]:
     said = " and ".join(f"{len(v)} at its {end} rate ({', '.join(f'{x:g}' for x in sorted(set(v)))})"
                         for end, v in ends.items() if v)
     return [f"\nFine-tuning chose its rate at an end of the grid in {count} of {len(chosen)} fine-tunings "
-            f"({said}): the best rate on validation may lie outside the grid, so these accuracies are lower "
-            "bounds of what a wider `eval.finetune.lr_grid` gives."]
+            f"({said}): the best rate on validation may lie outside the grid, so these accuracies may understate "
+            "what a wider `eval.finetune.lr_grid` gives."]
 
 
 def _tuned(run: RunData, task: str, kind: str = "finetune") -> dict:

@@ -228,7 +228,7 @@ def _converged_at(run: RunData) -> int | None:
 def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
     """The first measured checkpoint at or after each seed's convergence step (`_converged_at`), and the last one
     after it whose exact KL is inside the band. A single iterate's KL moves from checkpoint to checkpoint (SGD's
-    by +-0.004 nats at the cpu preset), so a final checkpoint just outside the band is left out, with a note,
+    by +-0.004 nats at the cpu preset), so a final checkpoint outside the band is left out, with a note,
     rather than making the whole claim inconclusive; with no in-band checkpoint after the first, the last one
     is compared (and fails the same-loss check)."""
     first, last, notes = {}, {}, []
