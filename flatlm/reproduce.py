@@ -27,6 +27,7 @@ from flatlm import claims, paths
 from flatlm.errors import UserError
 from flatlm.experiment import load_experiment, run_experiment
 from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
+from flatlm.report_plots import lookup_accuracies
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 # claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
@@ -226,11 +227,9 @@ def _converged_at(run: RunData) -> int | None:
 
 
 def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
-    """The first measured checkpoint at or after each seed's convergence step (`_converged_at`), and the last one
-    after it whose exact KL is inside the band. A single iterate's KL moves from checkpoint to checkpoint (SGD's
-    by +-0.004 nats at the cpu preset), so a final checkpoint outside the band is left out, with a note,
-    rather than making the whole claim inconclusive; with no in-band checkpoint after the first, the last one
-    is compared (and fails the same-loss check)."""
+    """Each seed's first measured checkpoint at or after convergence (`_converged_at`) and the last one after it
+    inside the band: a single iterate's KL moves by ~0.004 nats between checkpoints, so a final one outside the
+    band is left out (with a note); with none inside, the final one is compared (and fails the same-loss check)."""
     first, last, notes = {}, {}, []
     for seed, run in ((s, r) for runs in _by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
         at = _converged_at(run)
@@ -305,11 +304,9 @@ def claim_c3(*exps: Path) -> ClaimResult:
                           _named((ACC_DOWN, TRACE_UP), f"{name} - adamw ({exp.name})"))
             found += f
             checks += c
-        lookups: dict[str, list[float]] = {}  # task -> each AdamW run's (own probe seeds): their mean
-        for r in groups.get("adamw", {}).values():
-            for task, e in {e["task"]: e for e in r.results if e["kind"] == "lookup_table"}.items():
-                lookups.setdefault(task, []).append(100 * e["accuracy"])
-        for task, accs in sorted(lookups.items())[:1]:
+        adamw = list(groups.get("adamw", {}).values())  # each probes the exact conditionals: their mean
+        for task in sorted({e["task"] for r in adamw for e in r.results if e["kind"] == "lookup_table"})[:1]:
+            accs = [100 * a for a in lookup_accuracies(adamw, task)]
             spread = f" (mean of {len(accs)} runs: {min(accs):.1f}-{max(accs):.1f})" if len(accs) > 1 else ""
             notes.append(f"{exp.name}: lookup table (optimal loss) probe accuracy {sum(accs) / len(accs):.1f}% "
                          f"on task {task}{spread}")
