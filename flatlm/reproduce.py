@@ -27,7 +27,9 @@ from flatlm import claims, paths
 from flatlm.errors import UserError
 from flatlm.experiment import load_experiment, run_experiment
 from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
+from flatlm.report_paired import split_trace
 from flatlm.report_plots import lookup_accuracies
+from flatlm.reproduce_paper import PAPER_VALUES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 # claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
@@ -40,26 +42,6 @@ SUITE = {
            [("table1_hmm", "hmm"), ("table1", "pcfg"), ("table2", "pcfg")]),
     "C4": ("SGD after convergence flattens; Tr(H) and accuracy are anti-correlated", "Figure 3",
            [("fig3_sgd", "hmm")]),
-}
-
-
-# The paper's own numbers per claim, quoted where its text or tables give one (figures without printed values
-# are named as such: "not given", never read off a plot). Printed beside ours in the report.
-PAPER_VALUES = {
-    "C1": ["Figure 1a (PCFG task C, 41M) and 1b (OPT QNLI, 235M): accuracy keeps rising after the loss converges "
-           "to its minimum (3.196 / 1.865 nats); the accuracy gain is not given in numbers",
-           "Figure 3 / Section 5: as Tr(H) decreases after convergence, accuracy improves by 1.6 pp (PCFG) and "
-           "4.0 pp (HMM)"],
-    "C2": ["Figure 2 / Section 3.3: at the same loss, scaling up improves the linear probe by 6.9 pp (PCFG), 4.5 pp "
-           "(HMM), 2.0 pp (OPT); entropies 3.196, 3.758, 1.865 nats",
-           "Figure 5 / Section 5 (PCFG, grown views): Tr(H) falls from 19.8 to 12.6 while the probe rises from "
-           "40.4 % to 50.5 %"],
-    "C3": ["Table 1 (PCFG, 235M): AdamW loss 3.204, task A 89.9 ± 0.3 %, B 49.2 ± 0.8 %; adversarial 3.206, "
-           "83.1 ± 0.6 %, 42.3 ± 1.5 %; lookup table 3.196, 71.2 %, 39.7 %",
-           "Table 2 (PCFG task C, 235M): AdamW 3.20, 55.7 ± 0.6 %, Tr(H) 8.01 ± 0.73; adversarial 3.20, "
-           "50.2 ± 1.0 %, Tr(H) 19.34 ± 0.92 (x2.4 Tr(H), -5.5 pp)"],
-    "C4": ["Figure 3 (SGD, 12 % warmup, lr 1e-3): Tr(H) decreases after convergence while accuracy improves by "
-           "1.6 pp (PCFG task C) and 4.0 pp (HMM task-10); no rank correlation is given"],
 }
 
 
@@ -181,7 +163,8 @@ def _point(run: RunData, step: int) -> dict:
     trace = _at(run, "flatness", step)
     invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
     return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
-            "trace": trace["trace"] if trace else None, "trace_invariant": invariant}
+            "trace": trace["trace"] if trace else None, "trace_invariant": invariant,
+            "trace_parts": split_trace(trace) if trace else (None, None)}  # (encoder, head)
 
 
 def _finding(name: str, control: dict[int, float], treatment: dict[int, float], sign: int,
@@ -210,6 +193,17 @@ TRACE_UP = ("Tr(H)", "trace", +1, 1.0, "")
 # Tr(H) over the tensors whose trace growth leaves unchanged (flatness.estimates.GROWTH_INVARIANT): the paper's
 # grown-view trace also carries growth's 1/k and k factors on the other tensors (tests/test_grow.py)
 TRACE_INVARIANT_DOWN = ("Tr(H) of growth-invariant tensors", "trace_invariant", -1, 1.0, "")
+
+
+def _split_notes(first: dict[int, dict], last: dict[int, dict]) -> list[str]:
+    """Where the Tr(H) difference last - first sits, paired over seeds, where per-group traces were recorded: the
+    encoder's blocks (what the probe reads) vs the output head's. A note beside the verdict, not judged."""
+    parts = []
+    for i, name in enumerate(("encoder", "head")):
+        a, b = ({s: v for s, p in d.items() if (v := p["trace_parts"][i]) is not None} for d in (first, last))
+        if len(set(a) & set(b)) >= 2:
+            parts.append(f"{name} {claims.paired_effect(a, b).describe()}")
+    return [f"Tr(H) last - first by part (not judged): {'; '.join(parts)}"] if parts else []
 
 
 def _named(spec, prefix):
@@ -252,7 +246,7 @@ def claim_c1(exp: Path) -> ClaimResult:
     first, last, notes = _after_convergence(exp)
     found, checks = _pairs(first, last, "first vs last in-band after convergence",
                            _named((ACC, TRACE_DOWN), "last in-band - first checkpoint after convergence"))
-    return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes)
+    return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes + _split_notes(first, last))
 
 
 def _final(run: RunData) -> dict:
@@ -319,6 +313,7 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
     first, last, notes = _after_convergence(fig3)
     found, checks = _pairs(first, last, "SGD first vs last in-band after convergence",
                            _named((TRACE_DOWN, ACC), "last in-band - first SGD checkpoint after convergence"))
+    notes += _split_notes(first, last)
     pts = [(p["trace"], p["accuracy"]) for d in [fig3, *equal_loss_dirs] if d.exists() for r in find_runs([str(d)])
            for p in [_final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
            and p["loss"]["kl"] <= claims.MAX_KL]

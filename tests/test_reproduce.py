@@ -14,9 +14,10 @@ from flatlm.config import base_config
 SEEDS = (0, 1, 2)
 
 
-def _run(exp, name, points, d_model=64, converged_at=None, invariant=None):
+def _run(exp, name, points, d_model=64, converged_at=None, invariant=None, groups=None):
     """A run folder with config.json, results.json ({step: (loss, kl, accuracy, trace)}) and convergence.json;
-    `invariant`: {step: growth-invariant part of the trace} as `--groups growth` records it."""
+    `invariant`: {step: growth-invariant part of the trace} as `--groups growth` records it; `groups`: {step:
+    per-group traces} as `--groups top` records them."""
     d = exp / "runs" / name
     d.mkdir(parents=True)
     c = base_config()
@@ -28,7 +29,8 @@ def _run(exp, name, points, d_model=64, converged_at=None, invariant=None):
                      "log_kl": -4.0},
                     {"kind": "probe", "step": step, "task": "k6", "accuracy": acc, "accuracy_std": 0.01}]
         if trace is not None:
-            detail = {"per_group": {"growth_invariant": invariant[step]}} if invariant else {}
+            detail = ({"per_group": {"growth_invariant": invariant[step]}} if invariant else
+                      {"per_group": groups[step]} if groups else {})
             results.append({"kind": "flatness", "step": step, "method": "fisher", "trace": trace,
                             "trace_stderr": 0.1, "detail": detail})
     (d / "results.json").write_text(json.dumps({"results": results}))
@@ -95,6 +97,25 @@ def test_c1_compares_the_first_and_last_checkpoint_after_convergence(tmp_path, l
     acc, trace = result.findings
     assert acc.verdict == want and trace.verdict == "reproduced" and result.verdict == want
     assert acc.effect.mean == pytest.approx(late_acc - 0.35 + 0.001, abs=1e-9)
+
+
+def test_c1_notes_where_the_trace_difference_sits_without_judging_it(tmp_path):
+    """With per-group traces, C1 notes last - first of the encoder's blocks and of the head, paired over seeds;
+    the verdict is the whole trace's alone."""
+    exp = _dir(tmp_path, "fig1_after_convergence")
+    for s in SEEDS:
+        groups = {200: {"tok_embed": 0.3, "bilstm_0": 0.5, "head": 6.0 + s},
+                  800: {"tok_embed": 0.3, "bilstm_0": 0.5 + 0.1 * s, "head": 3.0}}
+        _run(exp, f"adamw-seed{s}", {200: (2.001, 0.010, 0.35, sum(groups[200].values())),
+                                     800: (2.000, 0.009, 0.45, sum(groups[800].values()))},
+             converged_at=200, groups=groups)
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C1",))
+    assert result.verdict == "reproduced"
+    (note,) = [n for n in result.notes if n.startswith("Tr(H) last - first by part")]
+    encoder = reproduce.claims.paired_effect({0: 0.8, 1: 0.8, 2: 0.8}, {0: 0.8, 1: 0.9, 2: 1.0})
+    head = reproduce.claims.paired_effect({0: 6.0, 1: 7.0, 2: 8.0}, {0: 3.0, 1: 3.0, 2: 3.0})
+    assert note == f"Tr(H) last - first by part (not judged): encoder {encoder.describe()}; head {head.describe()}"
+    assert encoder.mean == pytest.approx(0.1) and head.mean == pytest.approx(-4.0)
 
 
 def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_the_band(tmp_path):
