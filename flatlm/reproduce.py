@@ -210,6 +210,10 @@ def _named(spec, prefix):
     return [(f"{name}: {prefix}", key, sign, scale, unit) for name, key, sign, scale, unit in spec]
 
 
+def _in_band(run: RunData, step: int) -> bool:
+    return _at(run, "exact_loss", step)["kl"] <= claims.MAX_KL  # a measured checkpoint inside the "same loss" band
+
+
 def _converged_at(run: RunData) -> int | None:
     """The step the run converged at: the convergence watch's (convergence.json, Figure 1's runs), else the first
     measured checkpoint whose exact KL is in the "same loss" band (runs without the watch, e.g. Figure 3's SGD)."""
@@ -217,7 +221,7 @@ def _converged_at(run: RunData) -> int | None:
     at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
     if at is not None:
         return at
-    return next((s for s in _measured_steps(run) if _at(run, "exact_loss", s)["kl"] <= claims.MAX_KL), None)
+    return next((s for s in _measured_steps(run) if _in_band(run, s)), None)
 
 
 def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
@@ -231,7 +235,7 @@ def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
         if len(steps) < 2:
             notes.append(f"seed {seed}: {len(steps)} measured checkpoint(s) after convergence (step {at})")
             continue
-        in_band = [s for s in steps[1:] if _at(run, "exact_loss", s)["kl"] <= claims.MAX_KL]
+        in_band = [s for s in steps[1:] if _in_band(run, s)]
         end = in_band[-1] if in_band else steps[-1]
         if end != steps[-1]:
             notes.append(f"seed {seed}: the last checkpoint (step {steps[-1]}, KL "
@@ -299,7 +303,8 @@ def claim_c3(*exps: Path) -> ClaimResult:
             found += f
             checks += c
         adamw = list(groups.get("adamw", {}).values())  # each probes the exact conditionals: their mean
-        for task in sorted({e["task"] for r in adamw for e in r.results if e["kind"] == "lookup_table"})[:1]:
+        task = min((e["task"] for r in adamw for e in r.results if e["kind"] == "lookup_table"), default=None)
+        if task is not None:
             accs = [100 * a for a in lookup_accuracies(adamw, task)]
             spread = f" (mean of {len(accs)} runs: {min(accs):.1f}-{max(accs):.1f})" if len(accs) > 1 else ""
             notes.append(f"{exp.name}: lookup table (optimal loss) probe accuracy {sum(accs) / len(accs):.1f}% "
