@@ -151,9 +151,8 @@ def _mark_done(run_dir: Path, final_step: int, info: dict) -> None:
     paths.write_text(run_dir / "DONE", json.dumps(info))
 
 
-def _pending_steps(run_dir: Path, kind: str, steps: list[int], **match) -> list[int]:
-    have = {e["step"] for e in results_lib.load(str(run_dir)) if e["kind"] == kind
-            and all(e.get(k) == v for k, v in match.items())}
+def _pending_steps(run_dir: Path, kind: str, steps: list[int]) -> list[int]:
+    have = {e["step"] for e in results_lib.load(str(run_dir)) if e["kind"] == kind}
     return [s for s in steps if s not in have]
 
 
@@ -250,9 +249,34 @@ def evaluate_pending(run_dir: Path, progress: bool) -> None:
         evaluate_run(str(run_dir), steps, lookup=None if not have_lookup else False, progress=progress)
 
 
+def measured_by(entry: dict, fcfg) -> bool:
+    """Whether flatness `entry` is the measurement the experiment's flatness spec `fcfg` makes (`flatness_pending`):
+    the same estimator (method, grown_to, fisher form) on the same validation batches with the same probes and
+    draws. A trace another command added at the step (`flatlm flatness --method hutchinson`, other batches, the
+    training split) is another measurement. Settings an entry does not record (written before they were) match."""
+    if entry.get("kind") != "flatness" or entry.get("method") != fcfg.get("method", "fisher"):
+        return False
+    if tuple(entry.get("grown_to") or ()) != tuple(fcfg.get("grow_to") or ()):
+        return False
+    want = dict(split="validation", seed=0, fisher_form="per_sample", chunk_size=1,
+                num_batches=fcfg.get("num_batches", 4), batch_size=fcfg.get("batch_size", 128),
+                num_draws=fcfg.get("draws", 50), num_probes=fcfg.get("num_probes") or 64)
+    settings = {"split": "validation", **(entry.get("settings") or {})}
+    return all(settings[k] == v for k, v in want.items() if k in settings)
+
+
+def flatness_spec(run_dir) -> dict | None:
+    """The flatness spec of the experiment `run_dir` belongs to (`<experiment>/runs/<name>/`; its
+    experiment.json), or None for a run outside an experiment."""
+    spec = paths.path(run_dir).parent.parent / "experiment.json"
+    return json.loads(spec.read_text()).get("flatness") if spec.exists() else None
+
+
 def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
-    """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to) of checkpoints that lack it."""
-    steps = _pending_steps(run_dir, "flatness", _final_shape_steps(run_dir), method=fcfg.method)
+    """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to) of checkpoints that lack it (`measured_by`:
+    a trace measured otherwise at a step, e.g. by `flatlm flatness`, does not count)."""
+    have = {e["step"] for e in results_lib.load(str(run_dir)) if measured_by(e, fcfg)}
+    steps = [s for s in _final_shape_steps(run_dir) if s not in have]
     if steps:
         flatness_run(str(run_dir), steps=steps, method=fcfg.method, num_probes=fcfg.num_probes,
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,

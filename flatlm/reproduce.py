@@ -1,8 +1,7 @@
 """The paper's claims, measured: run the experiments of a preset, then one verdict per claim (issue 13).
 
-  C1 (Figure 1)        continuing after convergence keeps the loss in the "same loss" band while probe
-                       accuracy rises and Tr(H) falls (first checkpoint after convergence vs the last one
-                       inside the band).
+  C1 (Figure 1)        continuing after convergence keeps the loss in the "same loss" band while probe accuracy
+                       rises and Tr(H) falls (first checkpoint after convergence vs the last one inside the band).
   C2 (Figures 2, 5)    at the same loss, the largest model transfers better than the smallest, and its Tr(H)
                        after function-preserving growth into one shape is lower.
   C3 (Tables 1, 2)     the adversarial objective at the same loss transfers worse than AdamW, with larger Tr(H).
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from flatlm import claims, paths
 from flatlm.errors import UserError
-from flatlm.experiment import load_experiment, run_experiment
+from flatlm.experiment import flatness_spec, load_experiment, measured_by, run_experiment
 from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
 from flatlm.report_paired import split_trace
 from flatlm.report_plots import lookup_accuracies
@@ -139,8 +138,8 @@ def _by_seed(runs: list[RunData]) -> dict[str, dict[int, RunData]]:
     return out
 
 
-def _at(run: RunData, kind: str, step: int, **match) -> dict | None:
-    hits = [e for e in run.results if e["kind"] == kind and e.get("step") == step
+def _at(run: RunData, kind: str, step: int, keep=lambda e: True, **match) -> dict | None:
+    hits = [e for e in run.results if e["kind"] == kind and e.get("step") == step and keep(e)
             and all(e.get(k) == v for k, v in match.items())]
     return hits[-1] if hits else None
 
@@ -160,7 +159,8 @@ def _point(run: RunData, step: int) -> dict:
     """Exact loss, probe accuracy (first task) and Tr(H) (if measured) of one checkpoint."""
     loss = _at(run, "exact_loss", step)
     probe = _at(run, "probe", step, task=_task(run))
-    trace = _at(run, "flatness", step)
+    spec = flatness_spec(run.path)  # the experiment's own trace, not one `flatlm flatness` added at the step
+    trace = _at(run, "flatness", step, keep=lambda e: spec is None or measured_by(e, spec))
     invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
     return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
             "trace": trace["trace"] if trace else None, "trace_invariant": invariant,

@@ -133,3 +133,33 @@ def test_grow_check_and_out(run, monkeypatch, capsys, tmp_path):
 def test_format_table():
     text = format_table([{"a": 1.23456789, "b": None}, {"a": 2.0, "b": "x"}], ["a", "b"])
     assert text.splitlines() == ["     a  b", "------  -", "1.2346  -", "     2  x"]
+
+
+def test_the_experiment_counts_only_its_own_trace_at_a_step(run, tmp_path, monkeypatch):
+    """`flatness_pending` measures what `measured_by` recognises (settings as `measure_run` records them); a
+    Hutchinson trace, other batches or another Fisher form at the same step are other measurements, so neither an
+    experiment's resume nor `flatlm reproduce` (which reads the trace through `measured_by`) takes them for its own."""
+    from flatlm import experiment  # here: the experiment layer, only for this test
+    from flatlm.config import base_config
+    from flatlm.flatness.runner import measure_run
+
+    fcfg = experiment.experiment_config("x", base_config(), [("a", [])],
+                                        flatness=dict(enabled=True, num_batches=1, batch_size=4, draws=3)).flatness
+    calls = []
+    monkeypatch.setattr(experiment, "flatness_run", lambda workdir, **kw: calls.append(kw))
+    monkeypatch.setattr(experiment, "_final_shape_steps", lambda run_dir: [100, 200])
+    quiet = dict(append=False, progress=False)
+    others = (measure_run(run, [100], "hutchinson", num_probes=2, num_batches=1, batch_size=4, **quiet)
+              + measure_run(run, [100], "fisher", num_batches=2, batch_size=4, draws=3, **quiet)
+              + measure_run(run, [100], "fisher", num_batches=1, batch_size=4, draws=3, fisher_form="summed", **quiet))
+    results.append(str(tmp_path), others)
+    experiment.flatness_pending(tmp_path, fcfg, progress=False)
+    assert calls[-1]["steps"] == [100, 200] and not any(experiment.measured_by(e, fcfg) for e in others)
+    own = measure_run(run, **{**calls[-1], **quiet})
+    assert [e["step"] for e in own] == [100, 200] and all(experiment.measured_by(e, fcfg) for e in own)
+    results.append(str(tmp_path), own[:1])
+    experiment.flatness_pending(tmp_path, fcfg, progress=False)
+    assert calls[-1]["steps"] == [200]
+    assert not experiment.measured_by({**own[0], "settings": {**own[0]["settings"], "split": "train"}}, fcfg)
+    assert not experiment.measured_by({**own[0], "grown_to": [2, 32]}, fcfg)
+    assert experiment.measured_by({k: v for k, v in own[0].items() if k != "settings"}, fcfg)  # older entries

@@ -130,6 +130,27 @@ def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_th
     assert trace.verdict == acc.verdict == "reproduced" and len(result.same_loss) == 3
 
 
+def test_a_trace_added_by_another_command_does_not_replace_the_experiments_own(tmp_path):
+    """A Hutchinson trace measured later at the same steps (`flatlm flatness --method hutchinson`, rising where the
+    experiment's Fisher trace falls) leaves C4's Tr(H) finding on the experiment's estimator (its experiment.json);
+    a run outside an experiment (no spec) takes the step's latest trace, as before."""
+    exp = _dir(tmp_path, "fig3_sgd")
+    exp.mkdir(parents=True, exist_ok=True)
+    (exp / "experiment.json").write_text(json.dumps({"flatness": {"enabled": True, "method": "fisher"}}))
+    for s in SEEDS:
+        _run(exp, f"sgd-lr0.5-seed{s}", {4000: (2.001, 0.019, 0.33, 7.0), 10000: (2.000, 0.018, 0.36, 5.0 + 0.1 * s)})
+        path = exp / "runs" / f"sgd-lr0.5-seed{s}" / "results.json"
+        stored = json.loads(path.read_text())
+        stored["results"] += [{"kind": "flatness", "step": step, "method": "hutchinson", "trace": trace,
+                               "trace_stderr": 0.1, "detail": {}} for step, trace in ((4000, 7.0), (10000, 9.0))]
+        path.write_text(json.dumps(stored))
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
+    assert result.findings[0].effect.differences == pytest.approx((-2.0, -1.9, -1.8))
+    (exp / "experiment.json").unlink()
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
+    assert result.findings[0].effect.differences == pytest.approx((2.0, 2.0, 2.0))
+
+
 def test_a_last_checkpoint_outside_the_band_gives_way_to_the_last_one_inside(tmp_path):
     """Seed 1's final SGD checkpoint is just outside the band: its pair ends at the last in-band checkpoint (with
     a note), so the claim is judged instead of being inconclusive; with none in the band after the first, the
