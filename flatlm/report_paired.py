@@ -17,8 +17,8 @@ first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's l
 from __future__ import annotations
 
 from flatlm import claims
-from flatlm.config import SEED_SUFFIX
 from flatlm.models.blocks import block_group
+from flatlm.report_plots import by_seed
 
 
 def split_trace(entry: dict) -> tuple[float | None, float | None]:
@@ -63,12 +63,7 @@ def effect(control: dict, treated: dict, key: str, scale: float, key_control: st
 
 def groups(runs) -> dict[str, dict[int, dict]]:
     """{arm: {seed: `final(run)`}} in the runs' order (a run without a seed suffix is seed 0 of its own arm)."""
-    out: dict[str, dict[int, dict]] = {}
-    for r in runs:
-        m = SEED_SUFFIX.match(r.name)
-        name, seed = (m.group(1), int(m.group(2))) if m else (r.name, 0)
-        out.setdefault(name, {})[seed] = final(r)
-    return out
+    return {arm: {seed: final(r) for seed, r in members.items()} for arm, members in by_seed(runs).items()}
 
 
 def arms_vs_control(runs, control: str | None = None, title: str | None = None) -> list[str]:

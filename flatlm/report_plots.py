@@ -11,7 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
 
-from flatlm.config import SEED_SUFFIX
+from flatlm.config import SEED_SUFFIX, split_seed  # noqa: F401 - SEED_SUFFIX: a public name of flatlm.report
 from flatlm.flatness.spectrum import Density
 
 FORMATS = ("png", "pdf")
@@ -32,8 +32,16 @@ def save(fig, path_png: Path) -> None:
 
 def method_name(run_name: str) -> str:
     """The run's name without its `-seed<k>` suffix: the method (configuration) it is a seed of."""
-    m = SEED_SUFFIX.match(run_name)
-    return m.group(1) if m else run_name
+    return split_seed(run_name)[0]
+
+
+def by_seed(runs) -> dict[str, dict[int, object]]:
+    """{method: {seed: run}} in the runs' order; a run without a seed suffix is seed 0 of its own method."""
+    out: dict[str, dict[int, object]] = {}
+    for r in runs:
+        name, seed = split_seed(r.name)
+        out.setdefault(name, {})[seed or 0] = r
+    return out
 
 
 def loss_vs_steps(runs) -> Figure:

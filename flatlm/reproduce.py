@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 
 from flatlm import claims, paths
+from flatlm.config import split_seed
 from flatlm.errors import UserError
 from flatlm.experiment import flatness_spec, load_experiment, measured_by, run_experiment
-from flatlm.report import SEED_SUFFIX, RunData, find_runs, make_report, param_count, spearman_with_ci
+from flatlm.report import RunData, find_runs, make_report, param_count, spearman_with_ci
 from flatlm.report_paired import split_trace
-from flatlm.report_plots import lookup_accuracies
+from flatlm.report_plots import by_seed, lookup_accuracies
 from flatlm.reproduce_paper import PAPER_VALUES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
@@ -128,16 +129,6 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
 # ------------------------------------------------------------------------------------------- measurements
 
 
-def _by_seed(runs: list[RunData]) -> dict[str, dict[int, RunData]]:
-    """{run name without the seed suffix: {seed: run}}."""
-    out: dict[str, dict[int, RunData]] = {}
-    for r in runs:
-        m = SEED_SUFFIX.match(r.name)
-        name, seed = (m.group(1), int(m.group(2))) if m else (r.name, 0)
-        out.setdefault(name, {})[seed] = r
-    return out
-
-
 def _at(run: RunData, kind: str, step: int, keep=lambda e: True, **match) -> dict | None:
     hits = [e for e in run.results if e["kind"] == kind and e.get("step") == step and keep(e)
             and all(e.get(k) == v for k, v in match.items())]
@@ -229,7 +220,7 @@ def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
     inside the band: a single iterate's KL moves by ~0.004 nats between checkpoints, so a final one outside the
     band is left out (with a note); with none inside, the final one is compared (and fails the same-loss check)."""
     first, last, notes = {}, {}, []
-    for seed, run in ((s, r) for runs in _by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
+    for seed, run in ((s, r) for runs in by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
         at = _converged_at(run)
         steps = [s for s in _measured_steps(run) if at is not None and s >= at]
         if len(steps) < 2:
@@ -264,8 +255,7 @@ def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], 
     sizes = {}
     for r in runs:
         r.num_params = param_count(r)
-        m = SEED_SUFFIX.match(r.name)
-        sizes.setdefault(int(m.group(2)) if m else 0, []).append(r)
+        sizes.setdefault(split_seed(r.name)[1] or 0, []).append(r)
     small, large, notes = {}, {}, []
     for seed, members in sizes.items():
         members.sort(key=lambda r: r.num_params)
@@ -294,7 +284,7 @@ def claim_c3(*exps: Path) -> ClaimResult:
     """Tables 1 and 2: AdamW vs each adversarial run at the final checkpoint, per seed."""
     found, checks, notes = [], [], []
     for exp in exps:
-        groups = _by_seed(find_runs([str(exp)]))
+        groups = by_seed(find_runs([str(exp)]))
         control = {s: _final(r) for s, r in groups.get("adamw", {}).items()}
         for name in sorted(n for n in groups if n.startswith("adversarial")):
             treated = {s: _final(r) for s, r in groups[name].items()}
