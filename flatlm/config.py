@@ -338,6 +338,12 @@ def _flat(d, prefix=""):
     return out
 
 
+def changed_fields(old: dict, new: dict) -> list[str]:
+    """Dotted names of the fields whose values differ between two nested dicts (e.g. stored and new JSON)."""
+    a, b = _flat(old), _flat(new)
+    return [k for k in sorted(set(a) | set(b)) if a.get(k, KeyError) != b.get(k, KeyError)]
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config stored in a workdir's config.json, merged over `base_config()`."""
     path = paths.path(workdir, "config.json")

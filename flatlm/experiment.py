@@ -206,8 +206,10 @@ def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ..
 def _write_spec(exp, root, workdir: str) -> None:
     spec = root / "experiment.json"
     text = exp.to_json_best_effort(indent=1, sort_keys=True)
-    if spec.exists() and json.loads(spec.read_text()) != json.loads(text):
-        raise UserError(f"{workdir} holds a different experiment; use a new --workdir")
+    diff = config_lib.changed_fields(json.loads(spec.read_text()), json.loads(text)) if spec.exists() else []
+    if diff:  # e.g. a preset changed since that workdir was made
+        raise UserError(f"{workdir} holds a different experiment (fields {', '.join(diff[:5])}"
+                        f"{', ...' if len(diff) > 5 else ''}); use a new --workdir")
     paths.write_text(spec, text)
 
 

@@ -146,3 +146,21 @@ def test_with_seeds_repeats_each_method_over_other_seeds():
             with_seeds(exp, bad)
     with pytest.raises(UserError, match="without a -seed<k> suffix"):
         with_seeds(experiment_config("t", base_config(), methods), (3,))
+
+
+def test_a_workdir_of_another_experiment_is_refused_naming_the_fields(tmp_path):
+    """A preset changed since the workdir was made (here train.steps and the runs' seeds): one line naming the
+    fields that differ, and the stored spec is left as it was."""
+    from flatlm.config import base_config
+    from flatlm.errors import UserError
+    from flatlm.experiment import _write_spec, experiment_config
+
+    exp = experiment_config("t", base_config(), [("adamw", [])], seeds=(0, 1))
+    _write_spec(exp, tmp_path, str(tmp_path))
+    stored = (tmp_path / "experiment.json").read_text()
+    _write_spec(exp, tmp_path, str(tmp_path))  # the same experiment: no change, no error
+    other = experiment_config("t", base_config(), [("adamw", [])], seeds=(0, 1, 2))
+    other.base.train.steps += 1
+    with pytest.raises(UserError, match=r"holds a different experiment \(fields base\.train\.steps, runs\); use a new"):
+        _write_spec(other, tmp_path, str(tmp_path))
+    assert (tmp_path / "experiment.json").read_text() == stored
