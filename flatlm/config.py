@@ -363,12 +363,6 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
 SEED_SUFFIX = re.compile(r"^(.+)-seed(\d+)$")
 
 
-def split_seed(run_name: str) -> tuple[str, int | None]:
-    """(method, pre-training seed) of a run named `<method>-seed<k>`; (the name, None) without the suffix."""
-    m = SEED_SUFFIX.match(run_name)
-    return (m.group(1), int(m.group(2))) if m else (run_name, None)
-
-
 def run_dirs(folder) -> list:
     """The run workdirs under `folder`: the folder itself if it is a run (has config.json), else an experiment's
     runs/*/ (those with a config.json), in the order its experiment.json lists them; [] if neither."""

@@ -11,7 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
 
-from flatlm.config import SEED_SUFFIX, split_seed  # noqa: F401 - SEED_SUFFIX: a public name of flatlm.report
+from flatlm.config import SEED_SUFFIX
 from flatlm.flatness.spectrum import Density
 
 FORMATS = ("png", "pdf")
@@ -28,6 +28,12 @@ def save(fig, path_png: Path) -> None:
     fig.tight_layout()
     for fmt in FORMATS:
         fig.savefig(Path(path_png).with_suffix(f".{fmt}"), dpi=110)
+
+
+def split_seed(run_name: str) -> tuple[str, int | None]:
+    """(method, pre-training seed) of a run named `<method>-seed<k>`; (the name, None) without the suffix."""
+    m = SEED_SUFFIX.match(run_name)
+    return (m.group(1), int(m.group(2))) if m else (run_name, None)
 
 
 def method_name(run_name: str) -> str:

@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 from flatlm import claims, paths
-from flatlm.config import split_seed
 from flatlm.errors import UserError
 from flatlm.experiment import flatness_spec, load_experiment, measured_by, run_experiment
 from flatlm.report import RunData, find_runs, make_report, param_count, spearman_with_ci
 from flatlm.report_paired import split_trace
-from flatlm.report_plots import by_seed, lookup_accuracies
+from flatlm.report_plots import by_seed, lookup_accuracies, split_seed
 from flatlm.reproduce_paper import PAPER_VALUES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
