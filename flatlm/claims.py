@@ -60,6 +60,7 @@ class Effect:
     high: float
     differences: tuple[float, ...]
     over: str = "seeds"  # what the interval is over (a rank correlation's is over models)
+    seeds: tuple[int, ...] = ()  # the seed of each difference (paired effects)
 
     @property
     def num_seeds(self) -> int:
@@ -80,7 +81,7 @@ def paired_effect(control: dict[int, float], treatment: dict[int, float]) -> Eff
     d = np.asarray([treatment[s] - control[s] for s in seeds], np.float64)
     mean = float(d.mean())
     half = float(stats.t.ppf(0.5 + CONFIDENCE / 2, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d)))
-    return Effect(mean, mean - half, mean + half, tuple(float(x) for x in d))
+    return Effect(mean, mean - half, mean + half, tuple(float(x) for x in d), seeds=tuple(seeds))
 
 
 def verdict(effect: Effect, expected_sign: int, checks: list[SameLoss] = ()) -> str:

@@ -351,9 +351,12 @@ def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[Claim
 
 
 def _line(f: Finding) -> str:
+    """The finding's effect, the paper's direction and the verdict; under it every seed's difference."""
     effect = "not measured" if f.effect is None else f.effect.describe(f.scale, f.unit)
     direction = "higher" if f.expected_sign > 0 else "lower"
-    return f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
+    seeds = list(zip(f.effect.seeds, f.effect.differences, strict=True)) if f.effect else []
+    return (f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
+            + ("\n  - per seed: " + ", ".join(f"{s}: {f.scale * d:+.3g}" for s, d in seeds) if seeds else ""))
 
 
 def write_report(workdir: str, results: list[ClaimResult], timings: dict, command: str) -> paths.Path:

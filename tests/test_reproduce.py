@@ -237,6 +237,7 @@ def test_the_report_has_a_verdict_line_per_claim(tmp_path):
     assert [r.claim for r in results] == ["C3"]  # only claims whose experiments exist
     assert "| C3: the adversarial objective" in text and "**reproduced**" in text
     assert "same loss: KL 0.0100 / 0.0120 nats" in text
+    assert "  - per seed: 0: -15, 1: -14.8, 2: -14.6\n" in text  # every seed's accuracy difference, in pp
     assert "The paper:" in text and "Tr(H) 19.34 ± 0.92" in text  # the paper's Table 2 beside ours
 
 
