@@ -354,7 +354,7 @@ def _line(f: Finding) -> str:
     """The finding's effect, the paper's direction and the verdict; under it every seed's difference."""
     effect = "not measured" if f.effect is None else f.effect.describe(f.scale, f.unit)
     direction = "higher" if f.expected_sign > 0 else "lower"
-    seeds = list(zip(f.effect.seeds, f.effect.differences, strict=True)) if f.effect else []
+    seeds = list(zip(f.effect.seeds, f.effect.differences, strict=True)) if f.effect and f.effect.seeds else []
     return (f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
             + ("\n  - per seed: " + ", ".join(f"{s}: {f.scale * d:+.3g}" for s, d in seeds) if seeds else ""))
 

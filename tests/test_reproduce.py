@@ -128,6 +128,12 @@ def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_th
     trace, acc = result.findings[:2]
     assert trace.effect.mean == pytest.approx(-2.1) and acc.effect.mean == pytest.approx(0.04)
     assert trace.verdict == acc.verdict == "reproduced" and len(result.same_loss) == 3
+    for s in (3, 4):  # two more models: the rank correlation over models is reported (its effect has no seeds)
+        _run(exp, f"sgd-lr1-seed{s}", {10000: (2.000, 0.018, 0.30, 8.0 + s)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
+    assert result.findings[-1].effect.over == "models" and not result.findings[-1].effect.seeds
+    text = reproduce.write_report(str(tmp_path), [result], {}, "flatlm reproduce").read_text()
+    assert "over 5 equal-loss models" in text and "  - per seed: 0: -2, 1: -2.1, 2: -2.2\n" in text
 
 
 def test_a_trace_added_by_another_command_does_not_replace_the_experiments_own(tmp_path):
