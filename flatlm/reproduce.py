@@ -219,7 +219,10 @@ def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
     inside the band: a single iterate's KL moves by ~0.004 nats between checkpoints, so a final one outside the
     band is left out (with a note); with none inside, the final one is compared (and fails the same-loss check)."""
     first, last, notes = {}, {}, []
-    for seed, run in ((s, r) for runs in by_seed(find_runs([str(exp)])).values() for s, r in runs.items()):
+    methods = by_seed(find_runs([str(exp)]))  # pairs are per seed: one method's runs (the experiment's first)
+    if len(methods) > 1:
+        notes.append(f"{exp.name}: compared {next(iter(methods))} only; not {', '.join(list(methods)[1:])}")
+    for seed, run in next(iter(methods.values()), {}).items():
         at = _converged_at(run)
         steps = [s for s in _measured_steps(run) if at is not None and s >= at]
         if len(steps) < 2:

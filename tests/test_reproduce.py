@@ -134,6 +134,7 @@ def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_th
     assert result.findings[-1].effect.over == "models" and not result.findings[-1].effect.seeds
     text = reproduce.write_report(str(tmp_path), [result], {}, "flatlm reproduce").read_text()
     assert "over 5 equal-loss models" in text and "  - per seed: 0: -2, 1: -2.1, 2: -2.2\n" in text
+    assert "fig3_sgd-hmm: compared sgd-lr0.5 only; not sgd-lr1" in result.notes  # seeds 3, 4 of another method
 
 
 def test_a_trace_added_by_another_command_does_not_replace_the_experiments_own(tmp_path):
