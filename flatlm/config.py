@@ -293,8 +293,8 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         # used (`_legacy`, else today's default) is no change
         flat_old = {**_legacy(flat_old), **flat_old}
         defaults = _flat(json.loads(base_config().to_json_best_effort()))
-        diff = [k for k in sorted(set(flat_new) | set(flat_old)) if flat_new.get(k) != flat_old.get(k)
-                and not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+        diff = [k for k in changed_fields(flat_old, flat_new)
+                if not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
         if not diff:
             return
         extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
@@ -339,9 +339,10 @@ def _flat(d, prefix=""):
 
 
 def changed_fields(old: dict, new: dict) -> list[str]:
-    """Dotted names of the fields whose values differ between two nested dicts (e.g. stored and new JSON)."""
+    """Dotted names of the fields whose values differ between two nested dicts (e.g. stored and new JSON); a field
+    one of them lacks counts as None."""
     a, b = _flat(old), _flat(new)
-    return [k for k in sorted(set(a) | set(b)) if a.get(k, KeyError) != b.get(k, KeyError)]
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
