@@ -312,9 +312,9 @@ def seed_table(runs: list[RunData], tasks: list[str], init_tasks: list[str] = ()
     fine-tuned initialisation's on `init_tasks`, and one flatness column per estimator (`estimators`)."""
     groups: dict[str, list[RunData]] = {}
     for r in runs:
-        m = SEED_SUFFIX.match(r.name)
-        if m:
-            groups.setdefault(m.group(1), []).append(r)
+        name, seed = plots.split_seed(r.name)
+        if seed is not None:  # only runs repeated over seeds
+            groups.setdefault(name, []).append(r)
 
     def cell(values, fmt) -> str:
         v = np.asarray([x for x in values if x is not None], np.float64)

@@ -149,7 +149,9 @@ def _point(run: RunData, step: int) -> dict:
     """Exact loss, probe accuracy (first task) and Tr(H) (if measured) of one checkpoint."""
     loss = _at(run, "exact_loss", step)
     probe = _at(run, "probe", step, task=_task(run))
-    spec = flatness_spec(run.path)  # the experiment's own trace, not one `flatlm flatness` added at the step
+    if "flatness_spec" not in run.extra:  # read once per run: the experiment's own trace, not one another
+        run.extra["flatness_spec"] = flatness_spec(run.path)  # command (`flatlm flatness`) added at the step
+    spec = run.extra["flatness_spec"]
     trace = _at(run, "flatness", step, keep=lambda e: spec is None or measured_by(e, spec))
     invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
     return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
