@@ -7,7 +7,8 @@ Rows, all measured in one run on the first JAX device:
   vendor's dense bf16 figure when the device is known);
 - the library's MLM train step (`flatlm.train.step.train_step`, AdamW, real `Bert`) at L12-H768 (BERT-base,
   Table 3), sequence length 32, bf16 compute with float32 parameters, dropout on and off; MFU = model FLOPs
-  (3 x forward: 24 L D^2 + 4 L T D + head, per token; `bert_train_flops`) / step time / peak;
+  (3 x forward: 24 L D^2 + 4 L T D per token, the head at the predicted positions; `bert_train_flops`) /
+  step time / peak;
 - when torch + transformers import and CUDA is there: Hugging Face BertForMaskedLM at the same shape at its
   best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept);
 - exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
@@ -41,6 +42,7 @@ from flatlm.train import optim
 from flatlm.train.step import train_step
 
 NUM_WORDS, SEQ_LEN = 200, 32
+HEAD_POSITIONS = 5  # predicted positions per sentence at most (`mask_batch`'s bert default): head FLOPs count there
 VENDOR_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (datasheets)
 
 
@@ -72,11 +74,14 @@ def matmul_tflops(n: int, dtype) -> float:
     return 2 * n**3 / median_time(call, 10, 5) / 1e12
 
 
-def bert_train_flops(d: int, layers: int, ff: int, seq: int, vocab: int, tokens: int) -> float:
+def bert_train_flops(d: int, layers: int, ff: int, seq: int, vocab: int, tokens: int,
+                     head_tokens: int) -> float:
     """Model FLOPs of one train step (forward + backward = 3 x forward), matmuls only: per token and layer
-    qkv 6D^2, out 2D^2, MLP 4 D ff, attention scores + values 4 T D; the head's dense 2D^2 and output 2 D V."""
-    per_token = layers * (8 * d * d + 4 * d * ff + 4 * seq * d) + 2 * d * d + 2 * d * vocab
-    return 3.0 * per_token * tokens
+    qkv 6D^2, out 2D^2, MLP 4 D ff, attention scores + values 4 T D; the head's dense 2D^2 and output 2 D V at
+    the `head_tokens` positions MLM predicts (flatlm's head runs there only, HF's at every token: both rows count
+    the predicted ones, so MFU ratios are speed ratios)."""
+    per_token = layers * (8 * d * d + 4 * d * ff + 4 * seq * d)
+    return 3.0 * (per_token * tokens + (2 * d * d + 2 * d * vocab) * head_tokens)
 
 
 def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: int, steps: int) -> dict:
@@ -104,7 +109,8 @@ def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: 
 
     sec = median_time(call, rounds, steps)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    flops = bert_train_flops(cfg.d_model, cfg.num_layers, cfg.ff, SEQ_LEN, NUM_WORDS, batch_size * SEQ_LEN)
+    flops = bert_train_flops(cfg.d_model, cfg.num_layers, cfg.ff, SEQ_LEN, NUM_WORDS, batch_size * SEQ_LEN,
+                             batch["positions"].size)
     return dict(shape=shape, batch=batch_size, dtype=dtype, dropout=dropout, params=n_params, step_s=sec,
                 tokens_per_s=batch_size * SEQ_LEN / sec, model_tflops=flops / sec / 1e12, compile_s=compile_s)
 
@@ -150,7 +156,8 @@ def hf_step(shape_dl: tuple[int, int], batch_size: int, rounds: int, steps: int,
         results[mode] = median_time(call, rounds, steps)
     best = min(results, key=results.get)
     sec = results[best]
-    flops = bert_train_flops(d, layers, 4 * d, SEQ_LEN, NUM_WORDS + 3, batch_size * SEQ_LEN)
+    flops = bert_train_flops(d, layers, 4 * d, SEQ_LEN, NUM_WORDS + 3, batch_size * SEQ_LEN,
+                             batch_size * HEAD_POSITIONS)
     return dict(batch=batch_size, best=best, step_s=sec, all_s=results, tokens_per_s=batch_size * SEQ_LEN / sec,
                 model_tflops=flops / sec / 1e12, torch=torch.__version__, transformers=transformers.__version__)
 

@@ -199,9 +199,15 @@ def test_training_with_each_method_runs_and_resumes_the_same(tmp_path, method):
     assert last(rows) == pytest.approx(last(rows_b), rel=1e-6)
 
 
-def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny):
-    """E[penalty] = (1/n) sum_i sum_y p(y | x_i) ||grad log p(y | x_i)||^2 over the masked positions (full Jacobian)."""
+@pytest.mark.parametrize("at_positions", [False, True], ids=["head-everywhere", "head-at-positions"])
+def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_positions):
+    """E[penalty] = (1/n) sum_i sum_y p(y | x_i) ||grad log p(y | x_i)||^2 over the masked positions (full Jacobian),
+    with the head over every position and (as training batches have it) at `positions` only: two unselected
+    positions padded in, so the draws there must not count."""
     apply_fn, params, batch = tiny
+    if at_positions:
+        order = np.argsort(~np.asarray(batch["weights"] > 0), axis=1, kind="stable")[:, :3]
+        batch = {**batch, "positions": jnp.asarray(order, jnp.int32)}
     rows, cols = jnp.nonzero(batch["weights"])
 
     def logp(p):
@@ -216,11 +222,17 @@ def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny):
     assert samples.min() >= 0  # a sum of squares: the penalty cannot reward curvature of either sign
 
 
-def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
+@pytest.mark.parametrize("at_positions", [False, True], ids=["head-everywhere", "head-at-positions"])
+def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny, at_positions):
     """The penalty's custom VJP (2 H_s g / n by one linearisation) against jax.grad of the plain formula, written
-    out here with the same draws (labels from the forward's own logits, one sign vector per probe)."""
+    out here with the same draws (labels from the forward's own logits, one sign vector per probe); with the head
+    over every position and at `positions` only."""
     apply_fn, params, batch = tiny
-    key, probes, w = jax.random.key(5), 2, batch["weights"]
+    key, probes, w, kw = jax.random.key(5), 2, batch["weights"], {}
+    if at_positions:
+        kw = {"positions_BP": jnp.asarray(np.argsort(~np.asarray(w > 0), axis=1, kind="stable")[:, :2], jnp.int32)}
+        batch = {**batch, "positions": kw["positions_BP"]}
+        w = jnp.take_along_axis(w, kw["positions_BP"], axis=1)
 
     def reference(p, encoder_only):
         k_y, k_eps = jax.random.split(key)
@@ -229,7 +241,7 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
             eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
 
             def signed(q, eps=eps):
-                logp = jax.nn.log_softmax(apply_fn({"params": q}, batch["tokens"]), axis=-1)
+                logp = jax.nn.log_softmax(apply_fn({"params": q}, batch["tokens"], **kw), axis=-1)
                 y = sample_labels(k_y, jax.lax.stop_gradient(logp))
                 return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
@@ -238,7 +250,7 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny):
             out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
         return jnp.mean(jnp.stack(out))
 
-    for blocks in ("all", "encoder"):
+    for blocks in ("all",) if at_positions else ("all", "encoder"):  # the mask is tested once
         penalty = functools.partial(flat.fisher_penalty, batch=batch, apply_fn=apply_fn, key=key, probes=probes,
                                     blocks=blocks)
         value, grad = jax.jit(jax.value_and_grad(penalty))(params)

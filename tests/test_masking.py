@@ -55,3 +55,21 @@ def test_masking_is_deterministic_in_the_generator():
     b = mask_batch(tokens, lengths, V, np.random.default_rng(7), masking="bert")
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_positions_hold_every_prediction_once():
+    """`positions` [B, P] lists each row's weighted positions (ascending) first, the rest unweighted, no repeats:
+    `losses.mlm_loss` runs the head there only, so a weighted position outside them would be silently lost."""
+    tokens, lengths = _corpus(n=3000, T=12)
+    cases = (("single", {}, 1), ("bert", dict(max_predictions=5), 5), ("bert", dict(max_predictions=20), 12),
+             ("bert", dict(mask_prob=1.0, max_predictions=3), 3))
+    for masking, kw, P in cases:
+        b = mask_batch(tokens, lengths, V, np.random.default_rng(3), masking=masking, **kw)
+        pos, w = b["positions"], b["weights"]
+        assert pos.shape == (len(tokens), P) and pos.dtype == np.int32
+        assert all(len(set(row)) == P for row in pos.tolist())
+        covered = np.take_along_axis(w, pos, axis=1)
+        assert (covered.sum(1) == w.sum(1)).all(), masking  # every weighted position is among them
+        n = w.sum(1).astype(int)
+        assert all((np.diff(row[:k]) > 0).all() and (covered[i, :k] == 1).all()
+                   for i, (row, k) in enumerate(zip(pos, n)))

@@ -101,3 +101,33 @@ def test_lstm_is_bidirectional_and_respects_lengths():
     assert np.abs(model.apply({"params": params}, earlier)[0, 3] - out[0, 3]).max() > 1e-6
     # the padding does not leak into real positions: same as the unpadded sentence
     np.testing.assert_allclose(model.apply({"params": params}, tokens[:, :4])[0], out[0, :4], atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["bert-pre", "bert-post", "lstm"])
+def test_mlm_loss_at_positions_is_the_full_head_loss(kind):
+    """`mlm_loss` with `positions` (the head at the predicted positions only) gives the loss and gradient of the
+    head over every position (the reference), dropout on with the same key and off."""
+    from flatlm.data.masking import mask_batch
+    from flatlm.models.losses import mlm_loss
+
+    if kind == "lstm":
+        model = BiLSTM(LSTMConfig(num_words=V, max_len=T, d_hidden=8, num_layers=2, dropout=0.1))
+    else:
+        model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=2, num_heads=2, dropout=0.1,
+                                attention_dropout=0.1, ln_mode=kind[5:]))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, T + 1, size=9)
+    tokens = np.where(np.arange(T)[None] < lengths[:, None], rng.integers(0, V, (9, T)), V)
+    batch = mask_batch(tokens, lengths, V, rng, masking="bert", mask_prob=0.4, max_predictions=3)
+    assert batch["positions"].shape == (9, 3)
+    full = {k: v for k, v in batch.items() if k != "positions"}
+    params = _init(model, jnp.asarray(tokens))
+    for key in (None, jax.random.key(5)):
+        (want, g_want), (got, g_got) = (jax.value_and_grad(mlm_loss)(params, b, model.apply, key)
+                                        for b in (full, batch))
+        assert float(got) == pytest.approx(float(want), rel=1e-6)
+        flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
+        np.testing.assert_allclose(flat(g_got), flat(g_want), rtol=1e-5, atol=1e-7)
+    # a weighted position outside `positions` is not counted: the test would see it
+    dropped = {**batch, "positions": batch["positions"][:, 1:]}
+    assert float(mlm_loss(params, dropped, model.apply)) != pytest.approx(float(mlm_loss(params, full, model.apply)))

@@ -56,7 +56,8 @@ def _splitmix(x):
 
 def mask_batch(tokens_BT: np.ndarray, lengths_B: np.ndarray, num_words: int, rng: np.random.Generator | RowHash,
                masking: str = "single", mask_prob: float = 0.15, max_predictions: int = 5) -> dict:
-    """Returns the MLM batch dict: tokens (masked input), targets (original), weights (1 at predictions)."""
+    """Returns the MLM batch dict: tokens (masked input), targets (original), weights (1 at predictions) and
+    positions [B, P] (P = 1 for "single", max_predictions for "bert"): every prediction's position in its row."""
     ids = special_ids(num_words)
     B, T = tokens_BT.shape
     pos_T = np.arange(T)
@@ -79,8 +80,11 @@ def mask_batch(tokens_BT: np.ndarray, lengths_B: np.ndarray, num_words: int, rng
         raise ValueError(f"unknown masking {masking!r}")
     inputs_BT = np.where(replace_BT, ids.mask, tokens_BT)
     inputs_BT = np.where(random_BT, rng.integers(0, num_words, size=(B, T)), inputs_BT)
+    num_positions = 1 if masking == "single" else min(max_predictions, T)  # >= the selections of any row
     return {
         "tokens": inputs_BT.astype(np.int32),
         "targets": tokens_BT.astype(np.int32),
         "weights": selected_BT.astype(np.float32),
+        # the selected positions first (ascending), then unselected ones: the MLM head runs only there
+        "positions": np.argsort(~selected_BT, axis=1, kind="stable")[:, :num_positions].astype(np.int32),
     }

@@ -250,6 +250,11 @@ class Layer(nn.Module):
         return ln("mlp_ln")(x_BTD + drop(mlp(x_BTD, deterministic)))
 
 
+def at_positions(h_BTD, positions_BP):
+    """h[b, positions[b, p]] as [B, P, D] (h itself when positions is None)."""
+    return h_BTD if positions_BP is None else jnp.take_along_axis(h_BTD, positions_BP[..., None], axis=1)
+
+
 class Bert(nn.Module):
     """MLM encoder. `__call__(tokens) -> logits[B, T, V]`; `features(tokens) -> hidden[B, T, D]`."""
 
@@ -309,6 +314,7 @@ class Bert(nn.Module):
         h_N1D = self.features(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N][:, None, :]
         return self.logits(h_N1D)[:, 0]
 
-    def __call__(self, tokens_BT, deterministic: bool = True):
-        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`)."""
-        return self.logits(self.features(tokens_BT, deterministic))
+    def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
+        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with
+        `positions_BP` only at those positions, [B, P, V] (`losses.mlm_loss`: the head skips unpredicted tokens)."""
+        return self.logits(at_positions(self.features(tokens_BT, deterministic), positions_BP))

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flatlm.languages.base import special_ids
+from flatlm.models.bert import at_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class BiLSTM(nn.Module):
         """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy)."""
         return self(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N]
 
-    def __call__(self, tokens_BT, deterministic: bool = True):
-        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`)."""
-        return self.head(self.features(tokens_BT, deterministic))
+    def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
+        """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with
+        `positions_BP` only at those positions, [B, P, V] (as `Bert`)."""
+        return self.head(at_positions(self.features(tokens_BT, deterministic), positions_BP))

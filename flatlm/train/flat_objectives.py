@@ -107,7 +107,7 @@ def sam_objective(cfg: FlatConfig):
         return mlm_loss(jax.tree.map(jnp.add, params, eps), group, apply_fn, key), plain
 
     def objective(params, batch, apply_fn, dropout_key):
-        data = {k: batch[k] for k in ("tokens", "targets", "weights")}
+        data = {k: batch[k] for k in ("tokens", "targets", "weights", "positions") if k in batch}
         if cfg.ascent_groups == 1:  # not vmap over one group: XLA:CPU runs size-1 batched dots slower
             sharp, plain = perturbed(params, data, apply_fn, dropout_key)
         else:
@@ -173,42 +173,48 @@ def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL)
     (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (d128 x 2L, batch 64, CPU). With `blocks`
     the norms are over those blocks' parameters only: the Fisher trace of their diagonal block."""
     mask = tuple(block_mask(params, blocks))
-    tokens, weights = batch["tokens"], batch["weights"]
+    tokens, weights, positions = batch["tokens"], batch["weights"], batch.get("positions")
+    if positions is not None:  # the head runs at the predicted positions only (`losses.mlm_loss`)
+        weights = jnp.take_along_axis(weights, positions, axis=1)
     k_y, k_eps = jax.random.split(key)
     n = jnp.maximum(weights.sum(), 1.0)
 
     def one(k):
-        eps_BT = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
-        return _score_norm(apply_fn, mask, params, eps_BT, k_y, tokens) / n
+        eps = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
+        return _score_norm(apply_fn, mask, params, eps, k_y, tokens, positions) / n
 
     return _probe_mean(one, k_eps, probes)
 
 
-def _signed_score(params, apply_fn, eps_BT, key_y, tokens_BT) -> jax.Array:
+def _signed_score(params, apply_fn, eps, key_y, tokens_BT, positions_BP) -> jax.Array:
     """sum_i eps_i log p(y_i | x_i), y drawn from this forward pass's own (stop-gradient) logits: no second forward;
-    the key is shared by the probes, so every probe scores the same draw."""
-    logp_BTV = jax.nn.log_softmax(apply_fn({"params": params}, tokens_BT).astype(jnp.float32), axis=-1)
-    y_BT = sample_labels(key_y, jax.lax.stop_gradient(logp_BTV))
-    return jnp.sum(eps_BT * jnp.take_along_axis(logp_BTV, y_BT[..., None], axis=-1)[..., 0])
+    the key is shared by the probes, so every probe scores the same draw. eps is [B, T], or [B, P] at the
+    positions (then the head runs there only)."""
+    kw = {} if positions_BP is None else {"positions_BP": positions_BP}
+    logp = jax.nn.log_softmax(apply_fn({"params": params}, tokens_BT, **kw).astype(jnp.float32), axis=-1)
+    y = sample_labels(key_y, jax.lax.stop_gradient(logp))
+    return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _score_norm(apply_fn, mask, params, eps_BT, key_y, tokens_BT) -> jax.Array:
-    """||P grad _signed_score||^2, P zeroing the leaves outside `mask`; differentiable in params only (eps, labels
-    and tokens are data)."""
-    return _squared_norm(_restrict(jax.grad(_signed_score)(params, apply_fn, eps_BT, key_y, tokens_BT), mask))
+def _score_norm(apply_fn, mask, params, eps, key_y, tokens_BT, positions_BP) -> jax.Array:
+    """||P grad _signed_score||^2, P zeroing the leaves outside `mask`; differentiable in params only (eps, labels,
+    tokens and positions are data)."""
+    grad = jax.grad(_signed_score)(params, apply_fn, eps, key_y, tokens_BT, positions_BP)
+    return _squared_norm(_restrict(grad, mask))
 
 
-def _score_norm_fwd(apply_fn, mask, params, eps_BT, key_y, tokens_BT):
+def _score_norm_fwd(apply_fn, mask, params, eps, key_y, tokens_BT, positions_BP):
     """The value and H_s P g in one linearisation (the gradient of ||P g||^2 is 2 H_s P g, P a projection): the
     gradient's primal pass once, then one tangent pass at P g."""
-    g, tangent = jax.linearize(lambda p: jax.grad(_signed_score)(p, apply_fn, eps_BT, key_y, tokens_BT), params)
+    g, tangent = jax.linearize(
+        lambda p: jax.grad(_signed_score)(p, apply_fn, eps, key_y, tokens_BT, positions_BP), params)
     pg = _restrict(g, mask)
     return _squared_norm(pg), tangent(pg)
 
 
 def _score_norm_bwd(apply_fn, mask, hg, ct):
-    return jax.tree.map(lambda x: (2 * ct * x).astype(x.dtype), hg), None, None, None
+    return jax.tree.map(lambda x: (2 * ct * x).astype(x.dtype), hg), None, None, None, None
 
 
 _score_norm.defvjp(_score_norm_fwd, _score_norm_bwd)
