@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/curvature.py [--d-model 128] [--layers 2] [--batch 64] [--exact-d-model 16]
         [--budgets 12,24,48,96] [--repeats 20] [--rounds 5] [--rank-every 250] [--json]
 
-Model: a pre-LN Bert over the paper's HMM vocabulary (200 words), sentences of T = 32, float32, MLM batches with
-BERT masking. Sections:
+Model: a pre-LN Bert over the paper's HMM vocabulary (200 words), sentences of T = 32, float32, MLM batches masked
+as the base config masks (one position per sentence, `data.masking=single`; the head runs there only, as in
+training). Sections:
   1. products per second: a gradient, one Hessian-vector product (forward-over-reverse, `hessian.hvp`; and the
      linearized `hvp_fn` that Lanczos uses), and a chunk of 8 stacked products (`trace_estimators.operator`).
   2. error vs matvec budget of Hutchinson, Hutch++ and XTrace (`flatness.trace_estimators`) on a smaller Bert
@@ -60,7 +61,7 @@ def make(d_model: int, layers: int, batch: int, seed: int = 0, length: int = T):
     params = nn.unbox(jax.jit(model.init)(jax.random.key(seed), jnp.zeros((2, length), jnp.int32))["params"])
     rng = np.random.default_rng(seed)
     data = mask_batch(rng.integers(0, WORDS, (batch, length)), np.full(batch, length), WORDS, rng)
-    return model, params, jax.device_put({k: data[k] for k in ("tokens", "targets", "weights")})
+    return model, params, jax.device_put(data)  # with `positions`: the head at the predicted positions, as in training
 
 
 def _loss(params, batch, apply_fn):
