@@ -51,6 +51,14 @@ def mlm_loss(params, batch, apply_fn: ApplyFn, dropout_key=None):
     logits = apply_fn({"params": params}, batch["tokens"], deterministic=dropout_key is None, rngs=rngs, **kw)
     targets, weights = batch["targets"], batch["weights"]
     if kw:
-        targets, weights = (jnp.take_along_axis(x, batch["positions"], axis=1) for x in (targets, weights))
+        targets, weights = jnp.take_along_axis(targets, batch["positions"], axis=1), predicted_weights(batch)
     total, count = masked_cross_entropy(logits, targets, weights)
     return total / jnp.maximum(count, 1.0)
+
+
+def predicted_weights(batch):
+    """weights[B, P] at `batch["positions"]`; all NaN when a weighted position of the batch is not among them (a
+    batch built by hand), so the loss turns non-finite and training stops instead of dropping predictions."""
+    w_BP = jnp.take_along_axis(batch["weights"], batch["positions"], axis=1)
+    missing = jnp.sum(batch["weights"] != 0) != jnp.sum(w_BP != 0)
+    return jnp.where(missing, jnp.nan, w_BP)

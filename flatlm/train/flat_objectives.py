@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flatlm.config import check_choice
 from flatlm.errors import UserError
 from flatlm.models.blocks import ALL, block_mask, parse_blocks
-from flatlm.models.losses import mlm_loss, sample_labels
+from flatlm.models.losses import mlm_loss, predicted_weights, sample_labels
 
 METHODS = ("none", "sam", "label_noise", "trace_penalty")
 NOISE_SOURCES = ("model", "uniform")
@@ -175,7 +175,7 @@ def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL)
     mask = tuple(block_mask(params, blocks))
     tokens, weights, positions = batch["tokens"], batch["weights"], batch.get("positions")
     if positions is not None:  # the head runs at the predicted positions only (`losses.mlm_loss`)
-        weights = jnp.take_along_axis(weights, positions, axis=1)
+        weights = predicted_weights(batch)
     k_y, k_eps = jax.random.split(key)
     n = jnp.maximum(weights.sum(), 1.0)
 
