@@ -59,7 +59,7 @@ def test_masking_is_deterministic_in_the_generator():
 
 def test_positions_hold_every_prediction_once():
     """`positions` [B, P] lists each row's weighted positions (ascending) first, the rest unweighted, no repeats:
-    `losses.mlm_loss` runs the head there only, so a weighted position outside them would be silently lost."""
+    `losses.mlm_loss` runs the head there only (a weighted position outside them would make its loss NaN)."""
     tokens, lengths = _corpus(n=3000, T=12)
     cases = (("single", {}, 1), ("bert", dict(max_predictions=5), 5), ("bert", dict(max_predictions=20), 12),
              ("bert", dict(mask_prob=1.0, max_predictions=3), 3))

@@ -47,11 +47,12 @@ def mlm_loss(params, batch, apply_fn: ApplyFn, dropout_key=None):
     the MLM head runs at those P positions only, the original BERT's `masked_lm_positions`: the same loss and
     gradient for ~P / T of the head's work (5 of 32 positions at the `bert` masking's default)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
-    kw = {} if "positions" not in batch else {"positions_BP": batch["positions"]}
+    positions = batch.get("positions")
+    kw = {} if positions is None else {"positions_BP": positions}
     logits = apply_fn({"params": params}, batch["tokens"], deterministic=dropout_key is None, rngs=rngs, **kw)
     targets, weights = batch["targets"], batch["weights"]
-    if kw:
-        targets, weights = jnp.take_along_axis(targets, batch["positions"], axis=1), predicted_weights(batch)
+    if positions is not None:
+        targets, weights = jnp.take_along_axis(targets, positions, axis=1), predicted_weights(batch)
     total, count = masked_cross_entropy(logits, targets, weights)
     return total / jnp.maximum(count, 1.0)
 
