@@ -165,7 +165,7 @@ def _model_fisher_by_leaf(model, params, masked_BT, pos_B) -> dict[str, float]:
     def logp(p):
         return jax.nn.log_softmax(model.apply({"params": p}, masked_BT)[jnp.arange(B), pos_B])
 
-    jac, probs = jax.jacrev(logp)(params), jnp.exp(logp(params))
+    jac, probs = jax.jit(jax.jacrev(logp))(params), jnp.exp(logp(params))  # one compiled program, not op by op
     out = {}
     for path, g in jax.tree_util.tree_flatten_with_path(jac)[0]:
         name = "/".join(str(k.key) for k in path)
