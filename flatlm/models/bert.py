@@ -311,7 +311,8 @@ class Bert(nn.Module):
 
     def logits_at(self, tokens_NT, positions_N):
         """MLM logits [N, V] at one position per sequence: the head runs only there (exact loss, A.5)."""
-        return self(tokens_NT, positions_BP=positions_N[:, None])[:, 0]
+        h_N1D = self.features(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N][:, None, :]
+        return self.logits(h_N1D)[:, 0]
 
     def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
         """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with

@@ -67,9 +67,8 @@ class BiLSTM(nn.Module):
         return x
 
     def logits_at(self, tokens_NT, positions_N):
-        """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy); the head
-        runs only there."""
-        return self(tokens_NT, positions_BP=positions_N[:, None])[:, 0]
+        """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy)."""
+        return self(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N]
 
     def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
         """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with
