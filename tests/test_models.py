@@ -132,3 +132,25 @@ def test_mlm_loss_at_positions_is_the_full_head_loss(kind):
     assert (batch["weights"].sum(1) > 1).any()
     dropped = {**batch, "positions": batch["positions"][:, 1:]}
     assert np.isnan(float(mlm_loss(params, dropped, model.apply)))
+
+
+@pytest.mark.parametrize("kind", ["bert-pre", "bert-post", "lstm"])
+def test_logits_at_is_the_full_forward_at_that_position(kind):
+    """`logits_at` (the exact loss's path: the head at one position per copy) equals the full forward's logits
+    at that position, for every position of every sequence (the reference: head at all T, then indexed)."""
+    if kind == "lstm":
+        model = BiLSTM(LSTMConfig(num_words=V, max_len=T, d_hidden=8, num_layers=2))
+    else:
+        model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=2, num_heads=2,
+                                ln_mode=kind[5:]))
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, T + 1, size=5)
+    tokens = jnp.asarray(np.where(np.arange(T)[None] < lengths[:, None], rng.integers(0, V, (5, T)), V))
+    params = _init(model, tokens)
+    want_BTV = np.asarray(model.apply({"params": params}, tokens))
+    copies_NT, pos_N = jnp.repeat(tokens, T, axis=0), jnp.tile(jnp.arange(T), 5)
+    got_NV = np.asarray(model.apply({"params": params}, copies_NT, pos_N, method="logits_at"))
+    assert got_NV.shape == (5 * T, V)
+    np.testing.assert_allclose(got_NV, want_BTV.reshape(5 * T, V), rtol=1e-5, atol=1e-6)
+    # a shifted position picks a different row: the test can tell positions apart
+    assert np.abs(got_NV[1] - want_BTV[0, 0]).max() > 1e-4

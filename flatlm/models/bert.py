@@ -255,6 +255,13 @@ def at_positions(h_BTD, positions_BP):
     return h_BTD if positions_BP is None else jnp.take_along_axis(h_BTD, positions_BP[..., None], axis=1)
 
 
+def at_position(h_NTD, positions_N):
+    """h[n, positions[n]] as [N, D]: one position per sequence (the exact loss's copies). Plain indexing, not
+    `at_positions`: under two processes take_along_axis left the exact loss's result a global array no process
+    could fetch (tests/test_multihost.py)."""
+    return h_NTD[jnp.arange(h_NTD.shape[0]), positions_N]
+
+
 class Bert(nn.Module):
     """MLM encoder. `__call__(tokens) -> logits[B, T, V]`; `features(tokens) -> hidden[B, T, D]`."""
 
@@ -311,8 +318,7 @@ class Bert(nn.Module):
 
     def logits_at(self, tokens_NT, positions_N):
         """MLM logits [N, V] at one position per sequence: the head runs only there (exact loss, A.5)."""
-        h_N1D = self.features(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N][:, None, :]
-        return self.logits(h_N1D)[:, 0]
+        return self.logits(at_position(self.features(tokens_NT), positions_N))
 
     def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
         """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flatlm.languages.base import special_ids
-from flatlm.models.bert import at_positions
+from flatlm.models.bert import at_position, at_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +67,9 @@ class BiLSTM(nn.Module):
         return x
 
     def logits_at(self, tokens_NT, positions_N):
-        """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy)."""
-        return self(tokens_NT)[jnp.arange(tokens_NT.shape[0]), positions_N]
+        """MLM logits [N, V] at one position per sequence (the exact loss masks one position per copy): the
+        head runs only there."""
+        return self.head(at_position(self.features(tokens_NT), positions_N))
 
     def __call__(self, tokens_BT, deterministic: bool = True, positions_BP=None):
         """MLM logits [B, T, V] over the language's words (dropout on iff not `deterministic`); with
