@@ -160,9 +160,14 @@ def _last(entries: dict) -> dict | None:
     return entries[max(entries, key=lambda s: -1 if s is None else s)] if entries else None
 
 
-def make_report(dirs: list[str], out: str | None = None) -> Path:
-    """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report)."""
+def make_report(dirs: list[str], out: str | None = None, control: str | None = None) -> Path:
+    """Write `report.md` and its PNG plots for the runs under `dirs` into `out` (default <dirs[0]>/report).
+    `control`: the arm (run name without `-seed<k>`) the paired table compares every other arm against (default:
+    the first arm in the runs' order)."""
     runs = find_runs(dirs)
+    arms = list(plots.by_seed(runs))
+    if control is not None and control not in arms:
+        raise UserError(f"--control {control!r} is not an arm of these runs; use one of {', '.join(arms)}")
     for r in runs:
         try:
             r.num_params = param_count(r)
@@ -170,11 +175,11 @@ def make_report(dirs: list[str], out: str | None = None) -> Path:
             r.num_params = None
     target = paths.path(out or paths.path(dirs[0], "report"))
     with paths.local_copy_dir(target) as local:  # matplotlib writes local files; a bucket gets them uploaded
-        _write_report(runs, dirs, Path(local))
+        _write_report(runs, dirs, Path(local), control)
     return target / "report.md"
 
 
-def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
+def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path, control: str | None = None) -> None:
     tasks = _tasks(runs)
     md = [f"# flatlm report\n\nRuns: {', '.join(r.name for r in runs)} (from {', '.join(dirs)}).\n"]
 
@@ -295,7 +300,7 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path) -> None:
     if stacked:
         md += ["", *stacked]
     else:  # an experiment's arms over seeds against its first arm (flatlm.report_paired)
-        md += report_paired.arms_vs_control(runs)
+        md += report_paired.arms_vs_control(runs, control)
     md += report_paired.pretraining_gain(runs)
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 

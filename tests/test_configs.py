@@ -12,7 +12,7 @@ from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
 NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
-         "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking")
+         "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking", "fig2_width_depth")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -45,7 +45,7 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
     assert language == ({"pcfg"} if name in ("table1", "table2") else {"hmm"})
     kinds = {c.model.kind for c in configs}
     assert kinds == ({"bert"} if name in ("table1", "table2", "fig5_grown_sizes", "stacking") else {"lstm"})
-    if name in ("fig2_model_sizes", "fig5_grown_sizes"):
+    if name in ("fig2_model_sizes", "fig5_grown_sizes", "fig2_width_depth"):
         assert len({(c.model.d_model, c.model.d_hidden, c.model.num_layers) for c in configs}) >= 3
     if name == "fig1_after_convergence":
         c = configs[0]
@@ -177,3 +177,25 @@ def test_paper_presets_follow_the_papers_protocols():
     sgd = load_experiment(f"{REPO}/configs/experiments/fig3_sgd.py:paper")
     assert {run_config(sgd, r).train.lr for r in sgd.runs} == {1e-3}
     assert {run_config(sgd, r).train.warmup_frac for r in sgd.runs} == {0.12}
+
+
+@pytest.mark.parametrize("arg", ["tiny", "cpu", "paper", "cpu,pcfg", "paper,pcfg"])
+def test_width_depth_crosses_two_widths_with_two_depths(arg):
+    """fig2_width_depth: every (width, depth) of a 2 x 2 grid once per seed, the runs otherwise identical; at cpu
+    scale its smallest and largest cells are fig2_model_sizes's lstm32-L1 and lstm128-L2 runs, setting for setting."""
+    exp = load_experiment(f"{REPO}/configs/experiments/fig2_width_depth.py:{arg}")
+    configs = {r["name"]: run_config(exp, r) for r in exp.runs}
+    field = "d_hidden" if {c.model.kind for c in configs.values()} == {"lstm"} else "d_model"
+    cells = [(getattr(c.model, field), c.model.num_layers, c.seed) for c in configs.values()]
+    widths, depths = sorted({w for w, _, _ in cells}), sorted({d for _, d, _ in cells})
+    assert len(widths) == len(depths) == 2 and len(set(cells)) == len(cells)
+    assert sorted(cells) == sorted((w, d, s) for w in widths for d in depths for s in {c[2] for c in cells})
+    strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in ("model", "config_spec")}  # noqa: E731
+    assert all(strip(c) == strip(c0) for c in configs.values()
+               for c0 in [next(x for x in configs.values() if x.seed == c.seed)])
+    if arg == "cpu":
+        fig2 = load_experiment(f"{REPO}/configs/experiments/fig2_model_sizes.py:cpu")
+        for r in fig2.runs:
+            if r["name"].split("-seed")[0] in ("lstm32-L1", "lstm128-L2"):
+                want, got = run_config(fig2, r), configs[r["name"]]
+                assert {**want.to_dict(), "config_spec": ""} == {**got.to_dict(), "config_spec": ""}

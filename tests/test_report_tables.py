@@ -96,6 +96,25 @@ def test_arms_against_the_first_arm_and_the_gain_over_init():
         assert rows[arm][5] == _ci(np.subtract(tuned[arm], init[arm]))
     assert report_paired.pretraining_gain([_run_data("x-seed0", 1.0, 0.4, 0.5)]) == []  # no control measured
     assert report_paired.arms_vs_control(runs[:3]) == []  # one arm: nothing to compare
+    # `flatlm report --control sam`: the first arm is paired against the one named, sign and all
+    md = report_paired.arms_vs_control(runs, "sam")
+    assert "## Paired against sam" in md[0] and not any(line.startswith("| sam") for line in md)
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| adamw")]
+    assert row[5] == _ci(np.subtract(tuned["adamw"], tuned["sam"]))
+
+
+def test_report_control_must_be_an_arm(tmp_path):
+    """`flatlm report --control` names an arm of the runs (the paired table's reference); another name is a
+    one-line error listing the arms, exit 2, and writes no report."""
+    from conftest import run_cli
+
+    dirs = [_run(tmp_path, f"{arm}-seed{s}", 0.5, 0.4) for arm in ("a", "b") for s in (0, 1)]
+    out = run_cli("report", *dirs, "--out", str(tmp_path / "out"), "--control", "c")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].endswith("'c' is not an arm of these runs; use one of a, b")
+    assert not (tmp_path / "out").exists()
+    md = report.make_report(dirs, str(tmp_path / "out"), control="b").read_text()
+    assert "## Paired against b" in md
 
 
 def test_paired_traces_split_into_encoder_and_head_blocks():
