@@ -106,6 +106,15 @@ def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
         want = mlm_loss(params, {**batch, "targets": drawn}, apply_fn)
         loss, aux = obj(params, batch, apply_fn, None)
         assert float(loss) == pytest.approx(float(want), rel=1e-5) and float(aux["train/noisy_fraction"]) == 1.0
+    # with `positions` (the head at the predicted positions only) the model's draws are the same labels as above;
+    # two positions per row, the second one unpredicted, whose draw must not count
+    order = np.argsort(~np.asarray(batch["weights"] > 0), axis=1, kind="stable")[:, :2]
+    at = {**batch, "positions": jnp.asarray(order, jnp.int32)}
+    for p in (0.5, 1.0):
+        obj = flat.make_objective(flat.FlatConfig(method="label_noise", noise_p=p, noise_source="model"))
+        got, want = obj(params, at, apply_fn, None)[0], obj(params, batch, apply_fn, None)[0]
+        assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(got) != pytest.approx(float(clean), rel=1e-3)  # the draws moved the loss: the check has teeth
 
 
 @pytest.mark.slow

@@ -25,17 +25,21 @@ def masked_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def sample_labels(key: jax.Array, logits_XV: jax.Array) -> jax.Array:
+def sample_labels(key: jax.Array | None, logits_XV: jax.Array, uniform_X1: jax.Array | None = None) -> jax.Array:
     """int32[X] draws y ~ softmax(logits) over the last axis, by the inverse CDF: one uniform per row.
 
     Same distribution as `jax.random.categorical` (up to float32 rounding of the cumulative sum, ~1e-7), without
     its Gumbel noise over every logit: X random numbers instead of X * V, which made a Fisher draw cost 1.5
     gradients instead of 1.0 at V = 200 (benchmarks/flatness_cost.py). Zero-probability words are never drawn.
+    `uniform_X1`: the rows' uniforms in [0, 1) given instead of drawn from `key` (label noise draws them over every
+    position and keeps the predicted ones', so the labels do not depend on where the head ran).
     """
     p_XV = jax.nn.softmax(logits_XV.astype(jnp.promote_types(logits_XV.dtype, jnp.float32)), axis=-1)
     cdf_XV = jnp.cumsum(p_XV, axis=-1)
     total_X1 = cdf_XV[..., -1:]
-    u_X1 = jnp.minimum(jax.random.uniform(key, total_X1.shape, cdf_XV.dtype) * total_X1,
+    if uniform_X1 is None:
+        uniform_X1 = jax.random.uniform(key, total_X1.shape, cdf_XV.dtype)
+    u_X1 = jnp.minimum(uniform_X1.astype(cdf_XV.dtype) * total_X1,
                        jnp.nextafter(total_X1, 0))  # u < total: the last positive-probability word is the cap
     return jnp.sum(cdf_XV <= u_X1, axis=-1).astype(jnp.int32)
 

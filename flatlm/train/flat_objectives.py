@@ -125,7 +125,14 @@ def label_noise_objective(cfg: FlatConfig):
     def objective(params, batch, apply_fn, dropout_key):
         k_pick, k_draw = jax.random.split(batch["rng"])
         targets = batch["targets"]
-        if cfg.noise_source == "model":
+        if cfg.noise_source == "model" and "positions" in batch:  # the head at the predicted positions only,
+            # with the uniforms of a draw at every position (the same labels as the branch below, ~P / T the work)
+            pos_BP = batch["positions"]
+            u_BP1 = jnp.take_along_axis(jax.random.uniform(k_draw, targets.shape + (1,)), pos_BP[..., None], axis=1)
+            logits_BPV = jax.lax.stop_gradient(apply_fn({"params": params}, batch["tokens"], positions_BP=pos_BP))
+            drawn = targets.at[jnp.arange(targets.shape[0])[:, None], pos_BP].set(
+                sample_labels(None, logits_BPV, u_BP1))  # unpredicted positions keep their (weight-0) targets
+        elif cfg.noise_source == "model":
             logits = jax.lax.stop_gradient(apply_fn({"params": params}, batch["tokens"]))
             drawn = sample_labels(k_draw, logits)
         else:
