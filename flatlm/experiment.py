@@ -234,6 +234,7 @@ def _run_experiment(exp, root, selected: list[dict], progress: bool) -> dict:
             flatness_pending(run_dir, exp.flatness, progress)
         _mark_done(run_dir, config.train.steps, {"seconds": time.time() - t0})
         status[run["name"]] = "finished"
+        run_lib.release_compiled()  # else every run's programs stay mapped until the process hits the kernel's limit
     return status
 
 

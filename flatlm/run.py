@@ -17,6 +17,7 @@ Run; `load_run` fits the mesh to the devices there are, so evaluators run on few
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -169,6 +170,18 @@ def enable_compilation_cache(env: dict | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def release_compiled() -> None:
+    """Drop every compiled program JAX holds (its jit caches) and collect them: call it between runs of one process.
+
+    XLA:CPU maps each compiled program's code into memory, and a process that trains and evaluates run after run
+    (`flatlm experiment`, `flatlm evaluate` over an experiment) kept every run's programs: ~1600 mappings per cpu
+    preset run, so a 48-run experiment hit the kernel's limit (vm.max_map_count, 65530 by default) at its 44th run
+    and died in LLVM ("Cannot allocate memory", then a segfault). What the next run needs is compiled again, or
+    read back from the persistent compilation cache (`enable_compilation_cache`)."""
+    jax.clear_caches()
+    gc.collect()
 
 
 def check_workdir(workdir: str) -> None:

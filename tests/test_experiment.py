@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -164,3 +165,51 @@ def test_a_workdir_of_another_experiment_is_refused_naming_the_fields(tmp_path):
     with pytest.raises(UserError, match=r"holds a different experiment \(fields base\.train\.steps, runs\); use a new"):
         _write_spec(other, tmp_path, str(tmp_path))
     assert (tmp_path / "experiment.json").read_text() == stored
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts the process's memory mappings (Linux)")
+def test_release_compiled_unmaps_the_programs_of_finished_runs():
+    """Each run compiles its own programs (new closures: new cache entries); without `release_compiled` their
+    code stays mapped and the process's mappings grow run after run (a 48-run experiment hit vm.max_map_count),
+    with it they stay flat."""
+    import jax
+    import jax.numpy as jnp
+
+    from flatlm.run import release_compiled
+
+    def one_run(i, release):
+        w = jnp.full((32 + i, 32 + i), 0.1)
+        step = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(w @ w) @ w) ** 2)))
+        step(w).block_until_ready()
+        if release:
+            release_compiled()
+        return _mappings()
+
+    release_compiled()
+    kept = [one_run(i, False) for i in range(6)]
+    release_compiled()
+    released = [one_run(i, True) for i in range(6, 12)]
+    assert kept[-1] > kept[0], kept  # the leak the fix is for: mappings grow with every run's programs (3 each here)
+    assert released[-1] <= released[0], released
+
+
+def test_an_experiment_releases_compiled_programs_after_every_run(tmp_path, monkeypatch):
+    """`flatlm experiment` calls `release_compiled` once per run it finishes (none for runs done earlier)."""
+    from flatlm import experiment
+
+    exp = experiment.load_experiment(f"{REPO}/configs/experiments/fig2_width_depth.py:tiny")
+    calls, done = [], set()
+    monkeypatch.setattr(experiment, "train_and_evaluate", lambda config, run_dir, progress: None)
+    monkeypatch.setattr(experiment, "evaluate_pending", lambda run_dir, progress: None)
+    monkeypatch.setattr(experiment, "_mark_done", lambda run_dir, steps, info: done.add(run_dir.name))
+    monkeypatch.setattr(experiment, "_done", lambda run_dir, steps: run_dir.name in done)
+    monkeypatch.setattr(experiment.run_lib, "release_compiled", lambda: calls.append(len(done)))
+    experiment._run_experiment(exp, tmp_path, exp.runs[:3], progress=False)
+    assert calls == [1, 2, 3]
+    experiment._run_experiment(exp, tmp_path, exp.runs[:4], progress=False)  # three done earlier
+    assert calls == [1, 2, 3, 4]

@@ -53,6 +53,7 @@ def run(args) -> int:
                                finetune_=False if args.no_finetune else None,
                                lookup=False if args.no_lookup else None, progress=not args.quiet,
                                overrides=tuple(args.overrides))
+        run_lib.release_compiled()  # an experiment's runs one after the other: drop each run's programs
         rows = table_rows(entries)
         out[paths.path(d).name] = {"rows": rows, "entries": [{k: v for k, v in e.items() if k != "detail"}
                                                              for e in entries]}
