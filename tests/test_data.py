@@ -31,6 +31,22 @@ def test_corpus_builder_writes_splits_with_exact_conditionals(tmp_path):
     assert files == sorted(p.stat().st_mtime_ns for p in tmp_path.rglob("*.array_record*"))
 
 
+def test_built_corpora_and_tasks_do_not_keep_their_language(tmp_path):
+    """tfds keeps every builder it made alive (its `info` is an unbounded lru_cache), so a language left on one kept
+    the programs it compiled for the process's life (an experiment over many seeds ran out of memory mappings).
+    After building, no corpus or task builder holds one; `language` makes it again when asked."""
+    import gc
+
+    b = builder.build(SPEC, str(tmp_path), train_size=30, eval_size=10, seed=0, quiet=True)
+    tasks.build_task(SPEC, "k2", str(tmp_path), (20, 10, 10), seed=0, quiet=True)
+    gc.collect()
+    kinds = (builder.FlatlmCorpus, tasks.FlatlmTask)
+    alive = [o for o in gc.get_objects() if isinstance(o, kinds)]
+    assert {type(o) for o in alive} == set(kinds)  # tfds still holds both builders...
+    assert [o for o in alive if "_language" in vars(o)] == []  # ...but neither holds a language
+    assert b.language.vocab_size == SPEC["vocab_size"]
+
+
 class _Data:
     source = "tfds"
     batch_size = 8

@@ -176,7 +176,16 @@ def build(language_spec: dict, data_dir: str, train_size: int, eval_size: int, s
         if getattr(builder, "generated_train", None) is not None:  # written under the lock, after the records
             save_arrays(builder.data_dir, "train", *builder.generated_train)
             del builder.generated_train
+    forget_language(builder)
     return builder
+
+
+def forget_language(builder: tfds.core.DatasetBuilder) -> None:
+    """Drop a built corpus's or task's language, and with it the programs its sampler and exact conditionals
+    compiled. tfds keeps every builder it made alive (its `info` is an unbounded lru_cache), so a language left on
+    one stayed for the process's life: a PCFG's chart kernels, ~860 code mappings per corpus, until an experiment
+    over many seeds hit the kernel's vm.max_map_count. `builder.language` makes it again if asked."""
+    builder.__dict__.pop("_language", None)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from flatlm.data import glue
-from flatlm.data.builder import building, tfds_output
+from flatlm.data.builder import building, forget_language, tfds_output
 from flatlm.errors import UserError
 from flatlm.languages import make_language
 
@@ -166,6 +166,7 @@ def build_task(language_spec: dict, task: str, data_dir: str, sizes: tuple[int, 
         check_task(builder.language, language_spec["name"], task)
         with tfds_output(quiet):  # the banner on stderr, and nothing at all with `quiet`
             builder.download_and_prepare()
+        forget_language(builder)
     out = {}
     for split, src in builder.as_data_source().items():
         items = src.__getitems__(list(range(len(src))))
