@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
+from scipy.stats import t as t_dist
 
 from flatlm.config import SEED_SUFFIX
 from flatlm.flatness.spectrum import Density
@@ -126,18 +127,34 @@ def _params_label(n: int) -> str:
 
 
 def accuracy_vs_size(sized, tasks: list[str]) -> Figure:
-    """Final probe accuracy ± std vs parameter count (log axis ticked at the measured sizes only, labels rotated:
-    matplotlib's minor log ticks overlapped within a decade)."""
+    """Final probe accuracy vs parameter count (log axis ticked at the measured sizes only, labels rotated:
+    matplotlib's minor log ticks overlapped within a decade). A run of its own: accuracy ± its std over probe seeds,
+    labelled with its exact loss. Runs repeated over pre-training seeds (`<arm>-seed<k>`): each seed a faint dot,
+    the arm's mean with its 95 % t-interval over seeds, labelled with the arm and its mean exact loss; the line
+    joins the arms' means in order of size."""
     fig, ax = subplots()
+    arms = by_seed(sized)
     for t in tasks:
-        pts = sorted(((r.num_params, r.probe(t)[max(r.probe(t))]) for r in sized if r.probe(t)),
-                     key=lambda p: p[0])  # runs of one size (seeds) tie on the size: never compare entries
-        ax.errorbar([p for p, _ in pts], [100 * e["accuracy"] for _, e in pts],
-                    [100 * e.get("accuracy_std", 0.0) for _, e in pts], fmt="o-", capsize=2, label=f"task {t}")
-    for r in sized:
-        if r.evals:
-            ax.annotate(f"L={r.evals[-1]['eval/loss']:.3f}", (r.num_params, 100 * r.probe()[max(r.probe())]
-                                                              ["accuracy"]), fontsize=7)
+        pts = []  # (size, accuracy %, half-width, label) per arm
+        for arm, members in arms.items():
+            done = [r for r in members.values() if r.probe(t)]
+            if not done:
+                continue
+            finals = [r.probe(t)[max(r.probe(t))] for r in done]
+            acc = np.array([100 * e["accuracy"] for e in finals])
+            losses = [r.evals[-1]["eval/loss"] for r in done if r.evals]
+            loss = f"L={np.mean(losses):.3f}" if losses else ""
+            if len(done) == 1:
+                pts.append((done[0].num_params, acc[0], 100 * finals[0].get("accuracy_std", 0.0), loss))
+                continue
+            half = t_dist.ppf(0.975, len(acc) - 1) * acc.std(ddof=1) / np.sqrt(len(acc))
+            ax.scatter([done[0].num_params] * len(acc), acc, s=9, alpha=0.3, color="grey", zorder=1)
+            pts.append((done[0].num_params, acc.mean(), half, f"{arm} ({len(acc)} seeds) {loss}"))
+        pts.sort(key=lambda p: p[0])  # arms of one size tie on the size: never compare the rest
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], fmt="o-", capsize=3, zorder=2,
+                    label=f"task {t}")
+        for size, acc, _, label in pts:
+            ax.annotate(label, (size, acc), fontsize=7, xytext=(4, 4), textcoords="offset points")
     sizes = sorted({r.num_params for r in sized})
     ax.set(xscale="log", xlabel="parameters", ylabel="probe accuracy (%)", title="accuracy vs size")
     ax.set_xticks(sizes, [_params_label(n) for n in sizes], rotation=45, ha="right", fontsize=8)

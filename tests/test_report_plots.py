@@ -71,3 +71,26 @@ def test_the_lookup_table_line_is_the_mean_over_runs():
     (line,) = [x for x in ax.lines if x.get_linestyle() == ":"]
     np.testing.assert_allclose(line.get_ydata(), 100 * np.mean([0.537, 0.534, 0.502]))
     assert "lookup table (mean of 3: 50.2-53.7)" in ax.get_legend_handles_labels()[1]
+
+
+def test_accuracy_vs_size_is_each_arms_mean_and_t_interval_over_seeds():
+    """Seed-repeated runs: one point per arm at its mean final accuracy with a 95 % t-interval over seeds (by hand,
+    scipy's t quantile), every seed as a faint dot, in order of size; a single run keeps its probe-seed std."""
+    from scipy import stats
+
+    finals = {"big": [0.55, 0.58, 0.52], "small": [0.50, 0.49, 0.53]}
+    runs = [_run(f"{arm}-seed{k}", [0.3, acc], [0.01, 0.01], params=2000 if arm == "big" else 100)
+            for arm, accs in finals.items() for k, acc in enumerate(accs)]
+    runs.append(_run("mid", [0.3, 0.61], [0.01, 0.04], params=500))
+    (ax,) = plots.accuracy_vs_size(runs, ["A"]).axes
+    (line,) = ax.containers
+    np.testing.assert_allclose(np.asarray(line.lines[0].get_xdata(), float), [100, 500, 2000])  # sorted by size, one point per arm
+    np.testing.assert_allclose(np.asarray(line.lines[0].get_ydata(), float), [100 * np.mean(finals["small"]), 61.0,
+                                                           100 * np.mean(finals["big"])])
+    ci = lambda a: stats.t.ppf(0.975, 2) * 100 * np.std(a, ddof=1) / np.sqrt(3)  # noqa: E731
+    half_bar = [(seg[1, 1] - seg[0, 1]) / 2 for seg in line.lines[2][0].get_segments()]
+    np.testing.assert_allclose(half_bar, [ci(finals["small"]), 4.0, ci(finals["big"])])
+    dots = [c for c in ax.collections if c not in line.lines[2]]
+    assert sorted(len(c.get_offsets()) for c in dots) == [3, 3]  # every seed of an arm; no dot for the single run
+    assert sorted(a.get_text().strip() for a in ax.texts if a.get_text().strip()) == ["big (3 seeds)",
+                                                                                     "small (3 seeds)"]
