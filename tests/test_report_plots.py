@@ -84,7 +84,8 @@ def test_accuracy_vs_size_is_each_arms_mean_and_t_interval_over_seeds():
     runs.append(_run("mid", [0.3, 0.61], [0.01, 0.04], params=500))
     (ax,) = plots.accuracy_vs_size(runs, ["A"]).axes
     (line,) = ax.containers
-    np.testing.assert_allclose(np.asarray(line.lines[0].get_xdata(), float), [100, 500, 2000])  # sorted by size, one point per arm
+    xs = np.asarray(line.lines[0].get_xdata(), float)
+    np.testing.assert_allclose(xs, [100, 500, 2000])  # sorted by size, one point per arm
     np.testing.assert_allclose(np.asarray(line.lines[0].get_ydata(), float), [100 * np.mean(finals["small"]), 61.0,
                                                            100 * np.mean(finals["big"])])
     ci = lambda a: stats.t.ppf(0.975, 2) * 100 * np.std(a, ddof=1) / np.sqrt(3)  # noqa: E731
