@@ -194,8 +194,9 @@ def test_release_compiled_unmaps_the_programs_of_finished_runs():
     kept = [one_run(i, False) for i in range(6)]
     release_compiled()
     released = [one_run(i, True) for i in range(6, 12)]
-    assert kept[-1] > kept[0], kept  # the leak the fix is for: mappings grow with every run's programs (3 each here)
-    assert released[-1] <= released[0], released
+    leak = kept[-1] - kept[0]  # the leak the fix is for: mappings grow with every run's programs (3 each here)
+    assert leak > 0, kept
+    assert released[-1] - released[0] < leak / 2, (released, kept)  # flat, up to an unrelated mapping or two
 
 
 def test_an_experiment_releases_compiled_programs_after_every_run(tmp_path, monkeypatch):
