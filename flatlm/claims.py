@@ -73,6 +73,12 @@ class Effect:
                 f"({int(CONFIDENCE * 100)}% CI, {self.num_seeds} {self.over})")
 
 
+def t_half_width(values) -> float:
+    """Half-width of the `CONFIDENCE` t-interval of the mean of `values` (>= 2 of them)."""
+    v = np.asarray(values, np.float64)
+    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+
+
 def paired_effect(control: dict[int, float], treatment: dict[int, float]) -> Effect:
     """The paired effect over the seeds both dicts have ({seed: value}); needs at least 2 common seeds."""
     seeds = sorted(set(control) & set(treatment))
@@ -80,7 +86,7 @@ def paired_effect(control: dict[int, float], treatment: dict[int, float]) -> Eff
         raise ValueError(f"a paired interval needs >= 2 common seeds, got {seeds}")
     d = np.asarray([treatment[s] - control[s] for s in seeds], np.float64)
     mean = float(d.mean())
-    half = float(stats.t.ppf(0.5 + CONFIDENCE / 2, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d)))
+    half = t_half_width(d)
     return Effect(mean, mean - half, mean + half, tuple(float(x) for x in d), seeds=tuple(seeds))
 
 

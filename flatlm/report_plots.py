@@ -10,8 +10,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import NullFormatter
-from scipy.stats import t as t_dist
 
+from flatlm.claims import t_half_width
 from flatlm.config import SEED_SUFFIX
 from flatlm.flatness.spectrum import Density
 
@@ -147,7 +147,7 @@ def accuracy_vs_size(sized, tasks: list[str]) -> Figure:
             if len(done) == 1:
                 pts.append((done[0].num_params, acc[0], 100 * finals[0].get("accuracy_std", 0.0), loss))
                 continue
-            half = t_dist.ppf(0.975, len(acc) - 1) * acc.std(ddof=1) / np.sqrt(len(acc))
+            half = t_half_width(acc)  # flatlm.claims' interval, as the paired tables use
             ax.scatter([done[0].num_params] * len(acc), acc, s=9, alpha=0.3, color="grey", zorder=1)
             pts.append((done[0].num_params, acc.mean(), half, f"{arm} ({len(acc)} seeds) {loss}"))
         pts.sort(key=lambda p: p[0])  # arms of one size tie on the size: never compare the rest
