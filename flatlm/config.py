@@ -114,7 +114,8 @@ def base_config() -> ml_collections.ConfigDict:
             lookup=True,  # also probe the lookup table (exact conditionals) once per run
             probe=ml_collections.ConfigDict(dict(
                 enabled=True, epochs=100, batch_size=512, lr=1e-3, weight_decay=0.01, warmup_steps=50,
-                num_seeds=5, projection_dim=0, standardize=True)),  # paper: 100 epochs; released: 50
+                num_seeds=5, projection_dim=0, standardize=True,  # paper: 100 epochs; released: 50
+                layers=())),  # inner layers (1-based) probed besides the last, results kind "layer_probe"
             # paper: 200 warmup steps (released: 50), lr 1e-4. lr_grid: () -> that fixed lr; else the rate of
             # the grid with the best validation accuracy (flatlm.evaluate.finetune). from_init: also fine-tune
             # the run's initialisation once (a control: what pre-training adds), results kind "finetune_init".

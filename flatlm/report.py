@@ -301,6 +301,7 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path, control: 
         md += ["", *stacked]
     else:  # an experiment's arms over seeds against its first arm (flatlm.report_paired)
         md += report_paired.arms_vs_control(runs, control)
+    md += report_paired.probe_by_layer(runs, control)
     md += report_paired.pretraining_gain(runs)
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 

@@ -43,12 +43,14 @@ def final(run) -> dict:
     probes, tunes = at("probe"), at("finetune")
     task = min((e["task"] for e in probes + tunes), default=None)
     pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)  # noqa: E731
+    layers = {e["layer"]: e["accuracy"] for e in at("layer_probe") if e.get("task") == task}  # the latest wins
     traces = sorted(at("flatness"), key=lambda e: (e.get("method") != "fisher", bool(e.get("grown_to"))))
     encoder, head = split_trace(traces[0]) if traces else (None, None)
     return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
             "finetune_init": pick(at("finetune_init", None)),
             "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
-            "trace_encoder": encoder, "trace_head": head, "task": task}
+            "trace_encoder": encoder, "trace_head": head, "task": task,
+            **{f"layer{k}": v for k, v in sorted(layers.items())}}
 
 
 def effect(control: dict, treated: dict, key: str, scale: float, key_control: str | None = None) -> str:
@@ -117,3 +119,42 @@ def pretraining_gain(runs) -> list[str]:
             "started at (eval.finetune.from_init). An interval around 0 means fine-tuning accuracy carries no "
             "information about the pre-trained encoder.\n",
             "| arm | task | seeds | fine-tune (%) | from init (%) | gain (pp) |", "|---|---|---|---|---|---|", *rows]
+
+
+def probe_by_layer(runs, control: str | None = None) -> list[str]:
+    """Markdown lines of the per-layer probe tables (`eval.probe.layers`, results kind "layer_probe"; none without
+    them): each arm's accuracy per probed layer and at the last layer (mean [95% t-interval] over seeds), then per
+    arm and inner layer k the paired differences layer k - the arm's own last layer (does the stack above k lose
+    what layer k holds?) and layer k - the control arm's last layer (`control`, default the first arm)."""
+    arms = groups(runs)
+    inner = sorted({int(k[5:]) for arm in arms.values() for p in arm.values() for k in p if k.startswith("layer")})
+    if not inner:
+        return []
+    control = control or next(iter(arms))
+    base = arms.get(control, {})
+    task = next((p["task"] for arm in arms.values() for p in arm.values() if p.get("task")), None)
+
+    def mean_ci(values) -> str:
+        if len(values) < 2:
+            return f"{100 * values[0]:.1f}" if values else "-"
+        m, h = 100 * sum(values) / len(values), 100 * claims.t_half_width(values)
+        return f"{m:.1f} [{m - h:.1f}, {m + h:.1f}]"
+
+    md = [f"\n## Linear probe by layer (last checkpoint, {task}; mean [95% t-interval] over seeds, %)\n",
+          "Layer k: the hidden states after the model's k-th layer (eval.probe.layers), probed like the last layer's "
+          "(same probe, same seeds).\n",
+          "| arm | seeds | " + " | ".join(f"layer {k}" for k in inner) + " | last |",
+          "|---|---|" + "---|" * (len(inner) + 1)]
+    for name, arm in arms.items():
+        have = [p for p in arm.values() if p]
+        if not any(f"layer{k}" in p for p in have for k in inner):
+            continue
+        cells = [mean_ci([p[f"layer{k}"] for p in have if p.get(f"layer{k}") is not None]) for k in inner]
+        md.append(f"| {name} | {len(have)} | " + " | ".join(cells)
+                  + f" | {mean_ci([p['probe'] for p in have if p.get('probe') is not None])} |")
+    md += ["", f"| arm | layer | layer - own last (pp) | layer - {control} last (pp) |", "|---|---|---|---|"]
+    for name, arm in arms.items():
+        for k in (k for k in inner if any(p.get(f"layer{k}") is not None for p in arm.values())):
+            md.append(f"| {name} | {k} | {effect(arm, arm, f'layer{k}', 100.0, key_control='probe')} | "
+                      f"{effect(base, arm, f'layer{k}', 100.0, key_control='probe')} |")
+    return md

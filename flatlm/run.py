@@ -58,6 +58,10 @@ def validate(config, num_devices: int | None = None) -> None:
     if any(isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0 for lr in grid):
         raise UserError(f"config.eval.finetune.lr_grid={tuple(grid)} must hold positive learning rates, e.g. "
                         "--config.eval.finetune.lr_grid=[1e-4,1e-3,1e-2]; () for the fixed eval.finetune.lr")
+    layers, depth = tuple(config.eval.probe.get("layers", ())), models.depth(config.model)
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= depth for k in layers):
+        raise UserError(f"config.eval.probe.layers={layers} must name layers 1..{depth} of the model, e.g. "
+                        "--config.eval.probe.layers=[1]; () probes the last layer only")
     if config.data.eval_size < config.eval.num_subsets:
         raise UserError(f"config.data.eval_size={config.data.eval_size} is smaller than eval.num_subsets="
                         f"{config.eval.num_subsets} (the exact loss's std is over that many subsets); raise it")

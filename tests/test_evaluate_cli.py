@@ -148,3 +148,23 @@ def test_evaluate_an_experiment_dir_evaluates_every_run_in_its_order(trained, tm
     text = run_cli("evaluate", "--workdir", str(exp), "--steps", "last", "--no-probe", "--no-finetune",
                    "--no-lookup", "--quiet")
     assert text.returncode == 0 and text.stdout.index("== b") < text.stdout.index("== a"), text.stdout
+
+
+def test_probe_layers_add_layer_probe_entries_and_refuse_a_layer_the_model_lacks(trained):
+    """eval.probe.layers as an evaluate override: one "layer_probe" entry per layer beside (not instead of) the
+    paper's probe. tiny's BiLSTM has one layer, so layer 1 is the last: same features, same seeds, so its accuracy
+    is the probe's exactly (features cached apart, under their layer). A layer beyond the model: one line."""
+    from flatlm import run as run_lib
+    from flatlm.config import load_workdir_config
+    from flatlm.evaluate.runner import evaluate_run, table_rows, with_eval_overrides
+
+    entries = evaluate_run(str(trained), [20], probe=True, finetune_=False, lookup=False, exact=False,
+                           progress=False, overrides=("--config.eval.probe.layers=[1]",))
+    assert [(e["kind"], e.get("layer")) for e in entries] == [("probe", None), ("layer_probe", 1)]
+    probe, layer = entries
+    assert layer["detail"]["layer"] == 1 and layer["step"] == 20 and layer["task"] == "k3"
+    assert layer["detail"]["accuracy"] == probe["detail"]["accuracy"]
+    assert list((trained / "features").glob("features-step20-layer1-*.npz"))
+    assert table_rows(entries)[0]["probe-layer1:k3"] == table_rows(entries)[0]["probe:k3"]
+    with pytest.raises(UserError, match=r"layers=\(2,\) must name layers 1..1"):
+        run_lib.validate(with_eval_overrides(load_workdir_config(str(trained)), ["--config.eval.probe.layers=[2]"]))

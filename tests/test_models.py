@@ -154,3 +154,37 @@ def test_logits_at_is_the_full_forward_at_that_position(kind):
     np.testing.assert_allclose(got_NV, want_BTV.reshape(5 * T, V), rtol=1e-5, atol=1e-6)
     # a shifted position picks a different row: the test can tell positions apart
     assert np.abs(got_NV[1] - want_BTV[0, 0]).max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["bert-pre", "bert-post", "lstm"])
+def test_features_of_an_inner_layer_are_those_of_the_model_cut_there(kind):
+    """`features(num_layers=1)` of a 2-layer model (the probe of an inner layer, eval.probe.layers) equals the
+    features of a separately built 1-layer model holding the same embeddings and first layer; the pre-LN model's
+    final LN is not applied to the cut stream (it belongs to the last layer); num_layers=2 is the full model."""
+    if kind == "lstm":
+        make = lambda n: BiLSTM(LSTMConfig(num_words=V, max_len=T, d_hidden=8, num_layers=n))  # noqa: E731
+    else:
+        make = lambda n: Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=n, num_heads=2,  # noqa: E731
+                                         ln_mode=kind[5:], dropout=0.0, attention_dropout=0.0))
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(2, T + 1, size=4)
+    tokens = jnp.asarray(np.where(np.arange(T)[None] < lengths[:, None], rng.integers(0, V, (4, T)), V))
+    params = _init(make(2), tokens)
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), params)
+    got = np.asarray(make(2).apply({"params": params}, tokens, method="features", num_layers=1))
+    second = "bilstm_1" if kind == "lstm" else "layer_1"
+    cut = {k: v for k, v in params.items() if k != second}
+    if kind == "bert-pre":  # the reference: a 1-layer model whose final LN is the identity
+        cut["final_ln"] = jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.ones_like(x) if path[-1].key == "scale" else jnp.zeros_like(x), cut["final_ln"])
+    want = np.asarray(make(1).apply({"params": cut}, tokens, method="features"))
+    if kind == "bert-pre":  # LN with unit scale still normalises: undo by comparing normalised streams
+        norm = lambda h: (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-12)  # noqa: E731
+        got = norm(got)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    full = make(2).apply({"params": params}, tokens, method="features")
+    np.testing.assert_array_equal(make(2).apply({"params": params}, tokens, method="features", num_layers=2), full)
+    assert np.abs(np.asarray(full) - np.asarray(make(2).apply({"params": params}, tokens, method="features",
+                                                              num_layers=1))).max() > 1e-3
+    with pytest.raises(ValueError, match="layers 1..2"):
+        make(2).apply({"params": params}, tokens, method="features", num_layers=3)

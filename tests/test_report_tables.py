@@ -164,3 +164,43 @@ def test_the_lookup_table_row_is_the_mean_over_runs(tmp_path):
     assert look[head.index("probe k4 (%)")] == f"52.0 ± {100 * np.std([0.50, 0.54], ddof=1):.1f}"
     head, *rows = _table(report.make_report(dirs[:1], str(tmp_path / "one")).read_text(), "## Table (last check")
     assert [r for r in rows if r[0].startswith("lookup")][0][head.index("probe k4 (%)")] == "50.0 ± 1.0"
+
+
+def test_probe_by_layer_tables_by_hand():
+    """Per-layer probe means with scipy's t-interval, and the paired layer - own last / layer - control's last
+    differences; arms without layer probes get no row; no layer probes at all: no section."""
+    from scipy import stats
+
+    from flatlm import report_paired
+
+    last = {"L1": [0.50, 0.52, 0.55], "L2": [0.45, 0.47, 0.44]}
+    first = {"L1": [0.50, 0.52, 0.55], "L2": [0.53, 0.50, 0.57]}
+    runs = []
+    for arm in ("L1", "L2", "other"):
+        for s in range(3):
+            run = _run_data(f"{arm}-seed{s}", 1.0, last.get(arm, [0.4] * 3)[s], 0.5)
+            if arm in first:
+                run.results.append({"kind": "layer_probe", "layer": 1, "step": 50, "task": "k4",
+                                    "accuracy": first[arm][s]})
+            if arm == "L2":
+                run.results.append({"kind": "layer_probe", "layer": 2, "step": 50, "task": "k4",
+                                    "accuracy": last[arm][s]})
+                run.results.append({"kind": "layer_probe", "layer": 1, "step": 10, "task": "k4", "accuracy": 0.0})
+            runs.append(run)
+    md = "\n".join(report_paired.probe_by_layer(runs))
+    head, *rows = _table(md, "## Linear probe by layer")
+    assert head == ["arm", "seeds", "layer 1", "layer 2", "last"]
+
+    def mean_ci(v):
+        m, h = 100 * np.mean(v), 100 * stats.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v))
+        return f"{m:.1f} [{m - h:.1f}, {m + h:.1f}]"
+
+    table = {r[0]: r for r in rows if len(r) == len(head)}
+    assert set(table) == {"L1", "L2"}  # "other" has no layer probes
+    assert table["L2"][1:] == ["3", mean_ci(first["L2"]), mean_ci(last["L2"]), mean_ci(last["L2"])]
+    assert table["L1"][2:4] == [mean_ci(first["L1"]), "-"]
+    paired = {(r[0], r[1]): r for r in rows if len(r) == 4 and r[1] in ("1", "2")}
+    assert paired[("L2", "1")][2] == _ci(np.subtract(first["L2"], last["L2"]))
+    assert paired[("L2", "1")][3] == _ci(np.subtract(first["L2"], last["L1"]))  # against the first arm's last
+    assert paired[("L1", "1")][2] == "+0 [+0, +0]"  # one layer: layer 1 is the last
+    assert report_paired.probe_by_layer(runs, "L2") and report_paired.probe_by_layer(runs[6:]) == []

@@ -28,10 +28,12 @@ def fingerprint(*arrays) -> str:
 
 
 def feature_cache_path(cache_dir: str, step: int | str, split: str, projection_dim: int = 0,
-                       projection_seed: int = 0) -> str:
-    """File of the cached features for (checkpoint step, split, projection; 0 = none) in `cache_dir`."""
+                       projection_seed: int = 0, layer: int | None = None) -> str:
+    """File of the cached features for (checkpoint step, split, projection; 0 = none, layer; None = the last) in
+    `cache_dir`."""
     proj = f"proj{projection_dim}-seed{projection_seed}" if projection_dim else "full"
-    return os.path.join(cache_dir, f"features-step{step}-{split}-{proj}.npz")
+    where = "" if layer is None else f"-layer{layer}"
+    return os.path.join(cache_dir, f"features-step{step}{where}-{split}-{proj}.npz")
 
 
 def save_npz_atomic(path: str, **arrays) -> None:
@@ -77,17 +79,18 @@ def cached_features(
     projection_dim: int = 0,
     projection_seed: int = 0,
     progress: bool = True,
+    layer: int | None = None,
 ) -> np.ndarray:
-    """`features.extract_features` float32[N, F], cached in `cache_dir` under (step, split, projection); None =
-    no cache.
+    """`features.extract_features` float32[N, F] (of `layer`; None = the last), cached in `cache_dir` under
+    (step, layer, split, projection); None = no cache.
 
     The file also stores a fingerprint of the tokens, so different inputs under the same key are recomputed.
     The key does not identify the model: keep one cache folder per training run (e.g. its workdir).
     """
     compute = lambda: features_lib.extract_features(
         apply_fn, params, tokens_NT, batch_size=batch_size, projection_dim=projection_dim,
-        projection_seed=projection_seed, progress=progress, desc=f"features {split}")
+        projection_seed=projection_seed, progress=progress, desc=f"features {split}", layer=layer)
     if cache_dir is None:
         return compute()
-    path = feature_cache_path(cache_dir, step, split, projection_dim, projection_seed)
+    path = feature_cache_path(cache_dir, step, split, projection_dim, projection_seed, layer)
     return load_or_compute(path, fingerprint(np.asarray(tokens_NT, np.int32)), compute)

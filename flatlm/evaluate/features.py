@@ -20,9 +20,12 @@ from tqdm.auto import tqdm
 ApplyFn = Callable[..., jax.Array]  # a Flax `model.apply`: apply_fn({"params": p}, tokens_BT, method="features")
 
 
-def hidden_states(apply_fn: ApplyFn, params, tokens_BT) -> jax.Array:
-    """Final hidden states [B, T, D] of tokens int32[B, T] (dropout off): the frozen encoder's output."""
-    return apply_fn({"params": params}, tokens_BT, method="features")
+def hidden_states(apply_fn: ApplyFn, params, tokens_BT, layer: int | None = None) -> jax.Array:
+    """Final hidden states [B, T, D] of tokens int32[B, T] (dropout off): the frozen encoder's output; with
+    `layer=k`, the k-th layer's (1-based), for a probe of an inner layer."""
+    if layer is None:
+        return apply_fn({"params": params}, tokens_BT, method="features")
+    return apply_fn({"params": params}, tokens_BT, method="features", num_layers=layer)
 
 
 def gaussian_projection(in_dim: int, out_dim: int, seed: int) -> jax.Array:
@@ -34,9 +37,9 @@ def gaussian_projection(in_dim: int, out_dim: int, seed: int) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), (in_dim, out_dim), jnp.float32) / math.sqrt(out_dim)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _features_step(apply_fn: ApplyFn, params, tokens_BT, proj_FP):
-    h_BTD = hidden_states(apply_fn, params, tokens_BT)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _features_step(apply_fn: ApplyFn, params, tokens_BT, proj_FP, layer):
+    h_BTD = hidden_states(apply_fn, params, tokens_BT, layer)
     x_BF = h_BTD.reshape(h_BTD.shape[0], -1).astype(jnp.float32)
     return x_BF if proj_FP is None else x_BF @ proj_FP
 
@@ -51,8 +54,10 @@ def extract_features(
     projection_seed: int = 0,
     progress: bool = True,
     desc: str = "features",
+    layer: int | None = None,
 ) -> np.ndarray:
-    """Concatenated per-token features float32[N, T*D] (or [N, projection_dim]; 0 = none) on the host.
+    """Concatenated per-token features float32[N, T*D] (or [N, projection_dim]; 0 = none) on the host, of the
+    last layer's hidden states (the paper's) or, with `layer=k`, the k-th's.
 
     Runs the model's `features` jitted over batches of exactly `batch_size` rows (the last one padded by repeating
     its final row), so splits of any size share one compile; the next batch is dispatched before the previous one
@@ -67,7 +72,8 @@ def extract_features(
     proj_FP = None
     if projection_dim:
         one_T = jax.ShapeDtypeStruct((1, tokens_NT.shape[1]), jnp.int32)
-        in_dim = math.prod(jax.eval_shape(functools.partial(hidden_states, apply_fn), params, one_T).shape[1:])
+        in_dim = math.prod(jax.eval_shape(functools.partial(hidden_states, apply_fn, layer=layer), params,
+                                          one_T).shape[1:])
         proj_FP = gaussian_projection(in_dim, projection_dim, projection_seed)
     out_NF = None
     pending = None  # (start, stop, device array) of the batch in flight
@@ -77,7 +83,7 @@ def extract_features(
         batch_BT = tokens_NT[start:stop]
         if stop - start < bs:
             batch_BT = np.concatenate([batch_BT, np.repeat(batch_BT[-1:], bs - (stop - start), axis=0)])
-        x_BF = _features_step(apply_fn, params, batch_BT, proj_FP)
+        x_BF = _features_step(apply_fn, params, batch_BT, proj_FP, layer)
         if pending is not None:
             out_NF = _store(out_NF, n, *pending)
         pending = (start, stop, x_BF)

@@ -56,6 +56,7 @@ class ProbeConfig:
     seed: int = 0  # seeds are seed, seed + 1, ..., seed + num_seeds - 1
     projection_seed: int = 0
     head_init_std: float = 0.02  # BERT's init_weights for the classifier
+    layers: tuple[int, ...] = ()  # inner layers (1-based) also probed, kind "layer_probe"; the paper: the last only
 
     @property
     def seeds(self) -> list[int]:
@@ -231,7 +232,7 @@ def run_probe(
         "num_classes": num_classes,
         "feature_dim": int(np.shape(features["train"])[1]),
         "num_examples": {split: int(np.shape(x)[0]) for split, x in features.items()},
-        "config": dataclasses.asdict(config),
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "layers"},  # the entry names its layer
         "seconds": time.perf_counter() - t0,
     }
 
@@ -248,8 +249,10 @@ def probe_checkpoint(
     batch_size: int = 1024,
     num_classes: int | None = None,
     progress: bool = True,
+    layer: int | None = None,
 ) -> dict:
-    """Linear probe of a checkpoint (A.4): frozen features of every split, then `run_probe`.
+    """Linear probe of a checkpoint (A.4): frozen features of every split (of the last layer, or with `layer=k`
+    the k-th), then `run_probe`.
 
     apply_fn: the model's Flax `apply` (e.g. `Bert(cfg).apply`; its `features` method gives hidden states);
     tokens: split -> int[N, T]; labels: split -> int[N]. Features are cached under (step, split, projection) in
@@ -258,9 +261,12 @@ def probe_checkpoint(
     feats = {
         split: cached_features(
             cache_dir, apply_fn, params, tok, step=step, split=split, batch_size=batch_size,
-            projection_dim=config.projection_dim, projection_seed=config.projection_seed, progress=progress)
+            projection_dim=config.projection_dim, projection_seed=config.projection_seed, progress=progress,
+            layer=layer)
         for split, tok in tokens.items()
     }
     out = run_probe(feats, labels, config, num_classes=num_classes, progress=progress)
     out["step"] = step
+    if layer is not None:
+        out["layer"] = layer
     return out

@@ -93,9 +93,9 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     classes = {t: run.num_classes(t) for t in names}
     do_ft = c.eval.finetune.enabled if finetune_ is None else finetune_
     do_lookup = c.eval.lookup if lookup is None else lookup
-    data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft else {}
+    probe_cfg = ProbeConfig(**{**c.eval.probe, "layers": tuple(c.eval.probe.get("layers", ()))}, seed=c.seed)
+    data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft or probe_cfg.layers else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
-    probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
     ft_cfg = FinetuneConfig(**c.eval.finetune, seed=c.seed)
     cache = feature_cache_dir(workdir)
     entries: list[dict] = []
@@ -132,10 +132,12 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
         if exact:
             add({"kind": "exact_loss", "step": step, **run_exact_loss(run, params)})
         for t in names:
-            if probe:
+            for layer in ([None] if probe else []) + list(probe_cfg.layers):  # None: the last layer (the paper's)
                 out = probe_checkpoint(run.apply_fn, params, split(t, "tokens"), split(t, "label"), probe_cfg,
-                                       step=step, cache_dir=cache, num_classes=classes[t], progress=progress)
-                add({"kind": "probe", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
+                                       step=step, cache_dir=cache, num_classes=classes[t], progress=progress,
+                                       layer=layer)
+                kind = {"kind": "probe"} if layer is None else {"kind": "layer_probe", "layer": layer}
+                add({**kind, "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
             if do_ft:
                 out = tune(params, t)
                 add({"kind": "finetune", "step": step, "task": t, **headline(out, split(t, "label")), "detail": out})
@@ -153,5 +155,6 @@ def table_rows(entries: list[dict]) -> list[dict]:
             row.update(loss=e["loss"], entropy=e["entropy"], kl=e["kl"], log_kl=e["log_kl"])
         elif "accuracy" in e:
             kind = {"lookup_table": "probe", "finetune_init": "finetune"}.get(e["kind"], e["kind"])
+            kind = f"probe-layer{e['layer']}" if kind == "layer_probe" else kind
             row[f"{kind}:{e['task']}"] = f"{100 * e['accuracy']:.1f}±{100 * e['accuracy_std']:.1f}"
     return list(rows.values())

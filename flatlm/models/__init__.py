@@ -8,7 +8,7 @@ from flatlm.models.bert import SHAPES, TABLE3, TABLE4, Bert, BertConfig
 from flatlm.models.lstm import BiLSTM, LSTMConfig
 
 __all__ = ["SHAPES", "TABLE3", "TABLE4", "Bert", "BertConfig", "BiLSTM", "LSTMConfig", "make_model", "model_config",
-           "validate_config", "bert_dims"]
+           "validate_config", "bert_dims", "depth"]
 
 KINDS = ("bert", "lstm")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -18,6 +18,11 @@ def bert_dims(model) -> tuple[int, int]:
     """(d_model, heads) of a config's `model` section (a Table 3/4 `shape` overrides d_model; 0 heads: d / 64)."""
     d = SHAPES[model.shape][1] if model.shape else model.d_model
     return d, model.num_heads or max(1, d // 64)
+
+
+def depth(model) -> int:
+    """Number of layers of a config's `model` section (a Table 3/4 `shape` overrides num_layers)."""
+    return SHAPES[model.shape][0] if model.kind == "bert" and model.shape else model.num_layers
 
 
 def validate_config(model) -> None:

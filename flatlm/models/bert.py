@@ -250,6 +250,15 @@ class Layer(nn.Module):
         return ln("mlp_ln")(x_BTD + drop(mlp(x_BTD, deterministic)))
 
 
+def check_depth(num_layers: int | None, total: int) -> int:
+    """How many layers `features(..., num_layers=)` runs: all for None, else 1 <= num_layers <= total."""
+    if num_layers is None:
+        return total
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers={num_layers}: the model has layers 1..{total}")
+    return num_layers
+
+
 def at_positions(h_BTD, positions_BP):
     """h[b, positions[b, p]] as [B, P, D] (h itself when positions is None)."""
     return h_BTD if positions_BP is None else jnp.take_along_axis(h_BTD, positions_BP[..., None], axis=1)
@@ -284,8 +293,10 @@ class Bert(nn.Module):
         self.head_bias = self.param("head_bias", _zeros(("vocab",)), (c.num_words,), pdt)
         self.drop = Dropout(c.dropout)
 
-    def features(self, tokens_BT, deterministic: bool = True):
-        """Per-token hidden states [B, T, D] after the last layer (and the final LN for pre-LN)."""
+    def features(self, tokens_BT, deterministic: bool = True, num_layers: int | None = None):
+        """Per-token hidden states [B, T, D] after the last layer (and the final LN for pre-LN). With
+        `num_layers=k`, the residual stream after the k-th layer (1-based; `eval.probe.layers`); pre-LN applies its
+        final LN only after the last layer, where the model's head reads it."""
         c = self.cfg
         dt = jnp.dtype(c.dtype)
         if c.ln_mode not in ("pre", "post"):
@@ -298,9 +309,10 @@ class Bert(nn.Module):
         x_BTD = self.drop(x_BTD, deterministic=deterministic)
         pad = special_ids(c.num_words).pad
         bias_B11T = jnp.where(tokens_BT == pad, jnp.finfo(dt).min, 0.0).astype(dt)[:, None, None, :]
-        for layer in self.layers:
+        depth = check_depth(num_layers, c.num_layers)
+        for layer in self.layers[:depth]:
             x_BTD = layer(x_BTD, bias_B11T, deterministic)
-        if c.ln_mode == "pre":
+        if c.ln_mode == "pre" and depth == c.num_layers:
             x_BTD = self.final_ln(x_BTD)
         return x_BTD
 

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flatlm.languages.base import special_ids
-from flatlm.models.bert import at_position, at_positions
+from flatlm.models.bert import at_position, at_positions, check_depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +57,13 @@ class BiLSTM(nn.Module):
         )
         self.drop = nn.Dropout(c.dropout)
 
-    def features(self, tokens_BT, deterministic: bool = True):
-        """Per-token hidden states [B, T, 2 * d_hidden] of the last bidirectional layer (lengths from padding)."""
+    def features(self, tokens_BT, deterministic: bool = True, num_layers: int | None = None):
+        """Per-token hidden states [B, T, 2 * d_hidden] of the last bidirectional layer (lengths from padding); with
+        `num_layers=k`, of the k-th (1-based): the probe of an inner layer (`eval.probe.layers`)."""
         c = self.cfg
         lengths_B = jnp.sum(tokens_BT != special_ids(c.num_words).pad, axis=1)
         x = jnp.take(self.tok_embed, tokens_BT, axis=0).astype(jnp.dtype(c.dtype))
-        for layer in self.layers:
+        for layer in self.layers[:check_depth(num_layers, c.num_layers)]:
             x = self.drop(layer(x, seq_lengths=lengths_B), deterministic=deterministic)
         return x
 
