@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", required=True, help="a run's folder, or an experiment's (then every run in it)")
     p.add_argument("--steps", default="all", help="all | last | comma-separated steps")
     p.add_argument("--task", action="append", default=[], help="a downstream task (repeatable); default: config's")
-    p.add_argument("--no-probe", action="store_true")
+    p.add_argument("--no-exact", action="store_true", help="skip the exact pre-training loss")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the last layer's linear probe (the paper's; eval.probe.layers still run)")
     p.add_argument("--no-finetune", action="store_true")
     p.add_argument("--no-lookup", action="store_true")
     add_output_flags(p)
@@ -49,7 +51,7 @@ def run(args) -> int:
     for d, steps in plans:
         if len(plans) > 1 and not args.json:
             print(f"== {paths.path(d).name}", flush=True)
-        entries = evaluate_run(d, steps, tuple(args.task), probe=not args.no_probe,
+        entries = evaluate_run(d, steps, tuple(args.task), probe=not args.no_probe, exact=not args.no_exact,
                                finetune_=False if args.no_finetune else None,
                                lookup=False if args.no_lookup else None, progress=not args.quiet,
                                overrides=tuple(args.overrides))
