@@ -58,6 +58,9 @@ class ProbeConfig:
     head_init_std: float = 0.02  # BERT's init_weights for the classifier
     layers: tuple[int, ...] = ()  # inner layers (1-based) also probed, kind "layer_probe"; the paper: the last only
 
+    def __post_init__(self):  # a static jit argument (`_probe_epoch`): hashable, whatever sequence the config held
+        object.__setattr__(self, "layers", tuple(self.layers))
+
     @property
     def seeds(self) -> list[int]:
         """The probe's seeds: seed, seed + 1, ..., seed + num_seeds - 1 (the paper reports 5)."""

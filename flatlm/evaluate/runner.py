@@ -93,7 +93,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     classes = {t: run.num_classes(t) for t in names}
     do_ft = c.eval.finetune.enabled if finetune_ is None else finetune_
     do_lookup = c.eval.lookup if lookup is None else lookup
-    probe_cfg = ProbeConfig(**{**c.eval.probe, "layers": tuple(c.eval.probe.get("layers", ()))}, seed=c.seed)
+    probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
     data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft or probe_cfg.layers else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
     ft_cfg = FinetuneConfig(**c.eval.finetune, seed=c.seed)
