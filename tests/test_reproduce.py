@@ -87,6 +87,34 @@ def test_c3_is_inconclusive_when_a_pair_is_not_at_the_same_loss(tmp_path):
     assert result.verdict == "inconclusive" and any(not c.ok for _, c in result.same_loss)
 
 
+def test_c3_compares_each_runs_last_checkpoint_inside_the_band(tmp_path):
+    """An adversarial run whose final checkpoint is just outside the band is compared at its last one inside it
+    (with a note), the AdamW runs at their final ones; a run with no checkpoint in the band keeps its final one
+    and the claim is inconclusive, as is one measured at its final step only (seeds 3-14's runs)."""
+    for name in ("table1_hmm", "table1", "table2"):
+        exp = _dir(tmp_path, name)
+        for s in SEEDS:
+            _run(exp, f"adamw-seed{s}", {1800: (2.000, 0.011, 0.30, 1.0), 2000: (2.000, 0.010, 0.40 + 0.01 * s, 5.0)})
+            late = (2.010, 0.021, 0.0, 99.0) if s == 1 else (2.002, 0.012, 0.25 + 0.01 * s, 7.0 + s)
+            _run(exp, f"adversarial-lam1-seed{s}", {1600: (2.002, 0.015, 0.9, 0.0),
+                                                    1800: (2.002, 0.013, 0.26, 7.5), 2000: late})
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
+    assert result.verdict == "reproduced" and all(c.ok for _, c in result.same_loss)
+    acc, trace = result.findings[:2]
+    assert acc.effect.differences == pytest.approx((-0.15, -0.15, -0.15))  # seed 1 at step 1800: 0.26 - 0.41
+    assert trace.effect.differences == pytest.approx((2.0, 2.5, 4.0))
+    assert sum("adversarial-lam1-seed1: the last checkpoint (step 2000, KL 0.0210) is outside the band; compared "
+               "the last one inside it (step 1800)" in n for n in result.notes) == 3  # once per experiment
+    (tmp_path / "none").mkdir()
+    for name in ("table1_hmm", "table1", "table2"):  # no checkpoint in the band: the final one, which fails
+        exp = _dir(tmp_path / "none", name)
+        for s in (0, 1):
+            _run(exp, f"adamw-seed{s}", {2000: (2.0, 0.010, 0.4, 5.0)})
+            _run(exp, f"adversarial-lam1-seed{s}", {1800: (2.01, 0.03, 0.3, 6.0), 2000: (2.01, 0.025, 0.2, 7.0)})
+    (result,) = reproduce.evaluate_claims(str(tmp_path / "none"), ("C3",))
+    assert result.verdict == "inconclusive" and result.findings[0].effect.mean == pytest.approx(-0.2)
+
+
 @pytest.mark.parametrize("late_acc, want", [(0.45, "reproduced"), (0.30, "not reproduced")])
 def test_c1_compares_the_first_and_last_checkpoint_after_convergence(tmp_path, late_acc, want):
     exp = _dir(tmp_path, "fig1_after_convergence")
