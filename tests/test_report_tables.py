@@ -103,15 +103,15 @@ def test_arms_against_the_first_arm_and_the_gain_over_init():
     assert row[5] == _ci(np.subtract(tuned["adamw"], tuned["sam"]))
 
 
-def test_report_control_must_be_an_arm(tmp_path):
+def test_report_control_must_be_an_arm(tmp_path, capsys):
     """`flatlm report --control` names an arm of the runs (the paired table's reference); another name is a
     one-line error listing the arms, exit 2, and writes no report."""
-    from conftest import run_cli
+    from flatlm.cli.main import main
 
     dirs = [_run(tmp_path, f"{arm}-seed{s}", 0.5, 0.4) for arm in ("a", "b") for s in (0, 1)]
-    out = run_cli("report", *dirs, "--out", str(tmp_path / "out"), "--control", "c")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].endswith("'c' is not an arm of these runs; use one of a, b")
+    assert main(["report", *dirs, "--out", str(tmp_path / "out"), "--control", "c"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("'c' is not an arm of these runs; use one of a, b"), err
     assert not (tmp_path / "out").exists()
     md = report.make_report(dirs, str(tmp_path / "out"), control="b").read_text()
     assert "## Paired against b" in md
