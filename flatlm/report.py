@@ -296,7 +296,7 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path, control: 
         md.append("\n## Table over pre-training seeds (last checkpoint; mean ± std over the runs `<name>-seed<k>`)\n")
         md.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         md += ["| " + " | ".join(row) + " |" for row in seed_rows]
-    stacked = report_stacking.sections(runs)  # runs with train.stacking: compute used, arms vs plain
+    stacked = report_stacking.sections(runs, control)  # runs with train.stacking: compute used, arms vs plain
     if stacked:
         md += ["", *stacked]
     else:  # an experiment's arms over seeds against its first arm (flatlm.report_paired)

@@ -32,8 +32,9 @@ def compute_used(run) -> dict | None:
             "flops": stacking_lib.train_flops(bert, stages, cfg.data.batch_size, lang.max_length)}
 
 
-def sections(runs) -> list[str]:
-    """Markdown lines of the section (none when no run uses `train.stacking`)."""
+def sections(runs, control: str | None = None) -> list[str]:
+    """Markdown lines of the section (none when no run uses `train.stacking`). `control`: the arm the paired table
+    compares against (`flatlm report --control`; default `plain`); compute stays relative to `plain`."""
     configs = {r.name: load_workdir_config(str(r.path)) for r in runs}
     if not any(stacking_lib.stages_of(c) for c in configs.values()):
         return []
@@ -47,6 +48,7 @@ def sections(runs) -> list[str]:
         if u:
             ratio = f"{u['flops'] / plain[0]:.2f}" if plain else "-"
             md.append(f"| {name} | {u['stages']} | {u['layer_steps']:,} | {u['flops']:.3g} | {ratio} |")
+    control = control or CONTROL
     return md + report_paired.arms_vs_control(
-        runs, control=CONTROL, title="Gradual stacking vs plain (last checkpoint; arm - plain, mean [95% t-interval] "
-        "over seeds)")
+        runs, control=control, title=f"Gradual stacking vs {control} (last checkpoint; arm - {control}, mean [95% "
+        "t-interval] over seeds)")

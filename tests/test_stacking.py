@@ -260,3 +260,7 @@ def test_report_section_compute_and_paired_effects(tmp_path):
     assert row[5] == "-" and row[6].startswith(f"{10 * d.mean():+.3g} [")
     assert "| trace (fisher) |" in "\n".join(md)
     assert sections(runs[:2]) == []  # no stacked run: no section
+    md = sections(runs, control="midas")  # `flatlm report --control midas`: plain - midas, the sign flipped
+    assert any("## Gradual stacking vs midas (" in line for line in md)
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| plain |")]
+    assert row[4] == f"{-100 * d.mean():+.3g} [{-100 * (d.mean() + half):+.3g}, {-100 * (d.mean() - half):+.3g}]"

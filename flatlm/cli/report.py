@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default: <first dir>/report)")
     p.add_argument("--control", default=None, metavar="ARM",
                    help="arm (run name without -seed<k>) that the paired table compares every other arm against "
-                        "(default: the first arm)")
+                        "(default: the first arm; `plain` for gradual-stacking experiments); also the per-layer "
+                        "probe table's reference")
     add_output_flags(p, quiet=False)
     p.set_defaults(func=run, overrides=False)
 
