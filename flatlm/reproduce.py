@@ -24,11 +24,11 @@ from pathlib import Path
 
 from flatlm import claims, paths
 from flatlm.errors import UserError
-from flatlm.experiment import flatness_spec, load_experiment, measured_by, run_experiment
-from flatlm.report import RunData, find_runs, make_report, param_count, spearman_with_ci
-from flatlm.report_paired import split_trace
+from flatlm.experiment import load_experiment, run_experiment
+from flatlm.report import find_runs, make_report, param_count, spearman_with_ci
 from flatlm.report_plots import by_seed, lookup_accuracies, split_seed
 from flatlm.reproduce_paper import PAPER_VALUES
+from flatlm.reproduce_points import after_convergence, final, last_in_band
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 # claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
@@ -128,37 +128,6 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
 # ------------------------------------------------------------------------------------------- measurements
 
 
-def _at(run: RunData, kind: str, step: int, keep=lambda e: True, **match) -> dict | None:
-    hits = [e for e in run.results if e["kind"] == kind and e.get("step") == step and keep(e)
-            and all(e.get(k) == v for k, v in match.items())]
-    return hits[-1] if hits else None
-
-
-def _task(run: RunData) -> str | None:
-    tasks = sorted({e["task"] for e in run.results if e["kind"] == "probe"})
-    return tasks[0] if tasks else None
-
-
-def _measured_steps(run: RunData) -> list[int]:
-    """Checkpoint steps with an exact loss and a probe result, ascending."""
-    probe = {e["step"] for e in run.results if e["kind"] == "probe"}
-    return sorted(s for s in (e["step"] for e in run.results if e["kind"] == "exact_loss") if s in probe)
-
-
-def _point(run: RunData, step: int) -> dict:
-    """Exact loss, probe accuracy (first task) and Tr(H) (if measured) of one checkpoint."""
-    loss = _at(run, "exact_loss", step)
-    probe = _at(run, "probe", step, task=_task(run))
-    if "flatness_spec" not in run.extra:  # read once per run: the experiment's own trace, not one another
-        run.extra["flatness_spec"] = flatness_spec(run.path)  # command (`flatlm flatness`) added at the step
-    spec = run.extra["flatness_spec"]
-    trace = _at(run, "flatness", step, keep=lambda e: spec is None or measured_by(e, spec))
-    invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
-    return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
-            "trace": trace["trace"] if trace else None, "trace_invariant": invariant,
-            "trace_parts": split_trace(trace) if trace else (None, None)}  # (encoder, head)
-
-
 def _finding(name: str, control: dict[int, float], treatment: dict[int, float], sign: int,
              checks: list[claims.SameLoss], scale: float = 1.0, unit: str = "") -> Finding:
     control = {s: v for s, v in control.items() if v is not None}
@@ -202,56 +171,12 @@ def _named(spec, prefix):
     return [(f"{name}: {prefix}", key, sign, scale, unit) for name, key, sign, scale, unit in spec]
 
 
-def _in_band(run: RunData, step: int) -> bool:
-    return _at(run, "exact_loss", step)["kl"] <= claims.MAX_KL  # a measured checkpoint inside the "same loss" band
-
-
-def _converged_at(run: RunData) -> int | None:
-    """The step the run converged at: the convergence watch's (convergence.json, Figure 1's runs), else the first
-    measured checkpoint whose exact KL is in the "same loss" band (runs without the watch, e.g. Figure 3's SGD)."""
-    conv = run.path / "convergence.json"
-    at = json.loads(conv.read_text()).get("converged_at") if conv.exists() else None
-    if at is not None:
-        return at
-    return next((s for s in _measured_steps(run) if _in_band(run, s)), None)
-
-
-def _after_convergence(exp: Path) -> tuple[dict, dict, list[str]]:
-    """Each seed's first measured checkpoint at or after convergence (`_converged_at`) and the last one after it
-    inside the band: a single iterate's KL moves by ~0.004 nats between checkpoints, so a final one outside the
-    band is left out (with a note); with none inside, the final one is compared (and fails the same-loss check)."""
-    first, last, notes = {}, {}, []
-    methods = by_seed(find_runs([str(exp)]))  # pairs are per seed: one method's runs (the experiment's first)
-    if len(methods) > 1:
-        notes.append(f"{exp.name}: compared {next(iter(methods))} only; not {', '.join(list(methods)[1:])}")
-    for seed, run in next(iter(methods.values()), {}).items():
-        at = _converged_at(run)
-        steps = [s for s in _measured_steps(run) if at is not None and s >= at]
-        if len(steps) < 2:
-            notes.append(f"seed {seed}: {len(steps)} measured checkpoint(s) after convergence (step {at})")
-            continue
-        in_band = [s for s in steps[1:] if _in_band(run, s)]
-        end = in_band[-1] if in_band else steps[-1]
-        if end != steps[-1]:
-            notes.append(f"seed {seed}: the last checkpoint (step {steps[-1]}, KL "
-                         f"{_at(run, 'exact_loss', steps[-1])['kl']:.4f}) is outside the band; compared the last "
-                         f"one inside it (step {end})")
-        first[seed], last[seed] = _point(run, steps[0]), _point(run, end)
-    return first, last, notes
-
-
 def claim_c1(exp: Path) -> ClaimResult:
-    """Figure 1: first vs last in-band checkpoint after convergence (`_after_convergence`), per seed."""
-    first, last, notes = _after_convergence(exp)
+    """Figure 1: first vs last in-band checkpoint after convergence (`reproduce_points.after_convergence`), per seed."""
+    first, last, notes = after_convergence(exp)
     found, checks = _pairs(first, last, "first vs last in-band after convergence",
                            _named((ACC, TRACE_DOWN), "last in-band - first checkpoint after convergence"))
     return ClaimResult("C1", *SUITE["C1"][:2], found, checks, notes + _split_notes(first, last))
-
-
-def _final(run: RunData) -> dict:
-    steps = _measured_steps(run)
-    return _point(run, steps[-1]) if steps else {"loss": None, "accuracy": None, "trace": None,
-                                                 "trace_invariant": None}
 
 
 def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], list[str]]:
@@ -266,7 +191,7 @@ def _smallest_and_largest(exp: Path) -> tuple[dict[int, dict], dict[int, dict], 
         if len(members) < 2:
             notes.append(f"seed {seed}: one model size only")
             continue
-        small[seed], large[seed] = _final(members[0]), _final(members[-1])
+        small[seed], large[seed] = final(members[0]), final(members[-1])
         notes.append(f"seed {seed}: {members[0].name} ({members[0].num_params:,} parameters) vs "
                      f"{members[-1].name} ({members[-1].num_params:,})")
     return small, large, notes
@@ -284,29 +209,15 @@ def claim_c2(fig2: Path, fig5: Path) -> ClaimResult:
     return ClaimResult("C2", *SUITE["C2"][:2], found + found5, checks + checks5, notes + notes5)
 
 
-def _last_in_band(run: RunData, notes: list[str]) -> dict:
-    """C3's checkpoint of a run: its last measured one inside the "same loss" band, else its final one (which then
-    fails the same-loss check). As in `_after_convergence`, a single iterate's KL moves by ~0.004 nats between
-    checkpoints, so one final checkpoint just outside the band no longer voids the claim when an earlier one (the
-    cpu preset measures steps 1600, 1800, 2000) is inside it. A run measured at its final step only: the final."""
-    steps = _measured_steps(run)
-    in_band = [s for s in steps if _in_band(run, s)]
-    if not steps or not in_band or in_band[-1] == steps[-1]:
-        return _final(run)
-    notes.append(f"{run.name}: the last checkpoint (step {steps[-1]}, KL {_at(run, 'exact_loss', steps[-1])['kl']:.4f}"
-                 f") is outside the band; compared the last one inside it (step {in_band[-1]})")
-    return _point(run, in_band[-1])
-
-
 def claim_c3(*exps: Path) -> ClaimResult:
-    """Tables 1 and 2: AdamW vs each adversarial run at each run's last in-band checkpoint (`_last_in_band`), per
-    seed."""
+    """Tables 1 and 2: AdamW vs each adversarial run, each at its last in-band checkpoint
+    (`reproduce_points.last_in_band`), per seed."""
     found, checks, notes = [], [], []
     for exp in exps:
         groups = by_seed(find_runs([str(exp)]))
-        control = {s: _last_in_band(r, notes) for s, r in groups.get("adamw", {}).items()}
+        control = {s: last_in_band(r, notes) for s, r in groups.get("adamw", {}).items()}
         for name in sorted(n for n in groups if n.startswith("adversarial")):
-            treated = {s: _last_in_band(r, notes) for s, r in groups[name].items()}
+            treated = {s: last_in_band(r, notes) for s, r in groups[name].items()}
             f, c = _pairs(control, treated, f"{exp.name} adamw vs {name}",
                           _named((ACC_DOWN, TRACE_UP), f"{name} - adamw ({exp.name})"))
             found += f
@@ -322,14 +233,14 @@ def claim_c3(*exps: Path) -> ClaimResult:
 
 
 def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
-    """Figure 3: SGD first vs last in-band checkpoint after convergence (`_after_convergence`); Spearman(Tr(H),
-    accuracy) over equal-loss models."""
-    first, last, notes = _after_convergence(fig3)
+    """Figure 3: SGD first vs last in-band checkpoint after convergence (`reproduce_points.after_convergence`);
+    Spearman(Tr(H), accuracy) over equal-loss models."""
+    first, last, notes = after_convergence(fig3)
     found, checks = _pairs(first, last, "SGD first vs last in-band after convergence",
                            _named((TRACE_DOWN, ACC), "last in-band - first SGD checkpoint after convergence"))
     notes += _split_notes(first, last)
     pts = [(p["trace"], p["accuracy"]) for d in [fig3, *equal_loss_dirs] if d.exists() for r in find_runs([str(d)])
-           for p in [_final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
+           for p in [final(r)] if p["trace"] is not None and p["accuracy"] is not None and p["loss"]
            and p["loss"]["kl"] <= claims.MAX_KL]
     if len(pts) >= 4:
         rho, lo, hi = spearman_with_ci([t for t, _ in pts], [a for _, a in pts])

@@ -26,7 +26,8 @@ LAYERS = [
     ("flatlm.experiment", "flatlm.report", "flatlm.report_plots", "flatlm.report_stacking", "flatlm.report_paired",
      "flatlm.report_curvature",
      "flatlm.demo",
-     "flatlm.theory", "flatlm.claims", "flatlm.reproduce", "flatlm.reproduce_paper"),
+     "flatlm.theory", "flatlm.claims", "flatlm.reproduce", "flatlm.reproduce_paper",
+     "flatlm.reproduce_points"),
     ("flatlm.cli",),
 ]
 
