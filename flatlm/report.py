@@ -302,6 +302,10 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path, control: 
     else:  # an experiment's arms over seeds against its first arm (flatlm.report_paired)
         md += report_paired.arms_vs_control(runs, control)
     md += report_paired.probe_by_layer(runs, control)
+    layer_fig = report_paired.probe_by_layer_figure(runs)
+    if layer_fig is not None:
+        plots.save(layer_fig, out_dir / "probe_by_layer.png")
+        md.append("\n![probe by layer](probe_by_layer.png) ([pdf](probe_by_layer.pdf))")
     md += report_paired.pretraining_gain(runs)
     paths.write_text(out_dir / "report.md", "\n".join(md) + "\n")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from flatlm import claims
 from flatlm.models.blocks import block_group
-from flatlm.report_plots import by_seed
+from flatlm.report_plots import by_seed, subplots
 
 
 def split_trace(entry: dict) -> tuple[float | None, float | None]:
@@ -158,3 +158,42 @@ def probe_by_layer(runs, control: str | None = None) -> list[str]:
             md.append(f"| {name} | {k} | {effect(arm, arm, f'layer{k}', 100.0, key_control='probe')} | "
                       f"{effect(base, arm, f'layer{k}', 100.0, key_control='probe')} |")
     return md
+
+
+def _depth(run) -> int | None:
+    """num_layers of a run's stored config (None without one, e.g. a Table 3 `shape`, whose depth it names)."""
+    model = (run.config or {}).get("model") or {}
+    return None if model.get("shape") else model.get("num_layers")
+
+
+def probe_by_layer_figure(runs):
+    """Probe accuracy (%) against the layer it reads, one line per arm with layer probes: each layer's mean over
+    seeds with its 95 % t-interval, the last layer's (the paper's probe) at the arm's depth (from its config, else
+    one past its deepest probed layer). None without layer probes. For deep models, where the table is too wide."""
+    arms = groups(runs)
+    depth = {arm: _depth(r) for arm, members in by_seed(runs).items() for r in list(members.values())[:1]}
+    fig, ax = subplots()
+    drawn = False
+    probed = [arm for arm, seeds in arms.items() if any(k.startswith("layer") for p in seeds.values() for k in p)]
+    for i, arm in enumerate(probed):
+        have = [p for p in arms[arm].values() if p]
+        layers = sorted({int(k[5:]) for p in have for k in p if k.startswith("layer")})
+        dodge = 0.05 * (i - (len(probed) - 1) / 2)  # arms side by side at each layer, not on top of each other
+        last = depth.get(arm) or layers[-1] + 1
+        xs, means, halves = [], [], []
+        for x, key in [(k, f"layer{k}") for k in layers if k != last] + [(last, "probe")]:
+            values = [100 * p[key] for p in have if p.get(key) is not None]
+            if values:
+                xs.append(x + dodge)
+                means.append(sum(values) / len(values))
+                halves.append(claims.t_half_width(values) if len(values) > 1 else 0.0)
+        ax.errorbar(xs, means, halves, fmt="o-", capsize=3, label=f"{arm} ({len(have)} seeds)")
+        drawn = True
+    if not drawn:
+        return None
+    ax.set(xlabel="layer probed (an arm's deepest point: its last layer, the paper's probe)",
+           ylabel="probe accuracy (%)",
+           title="linear probe by layer (mean, 95% t-interval over seeds)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=7)
+    return fig

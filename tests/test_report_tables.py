@@ -4,6 +4,7 @@ initialisation (`eval.finetune.from_init`) in columns of its own, per run and ov
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from flatlm import report, results
 
@@ -204,3 +205,32 @@ def test_probe_by_layer_tables_by_hand():
     assert paired[("L2", "1")][3] == _ci(np.subtract(first["L2"], last["L1"]))  # against the first arm's last
     assert paired[("L1", "1")][2] == "+0 [+0, +0]"  # one layer: layer 1 is the last
     assert report_paired.probe_by_layer(runs, "L2") and report_paired.probe_by_layer(runs[6:]) == []
+
+
+def test_probe_by_layer_figure_draws_each_arms_means_by_hand():
+    """The per-layer figure: one line per arm with layer probes, at layers 1..depth (depth from the run's config,
+    the last layer being the recorded probe), y the mean over seeds and the error bar scipy's t half-width."""
+    from scipy import stats
+
+    from flatlm import report_paired
+
+    first, last = [0.53, 0.50, 0.57], [0.45, 0.47, 0.44]
+    runs = []
+    for s in range(3):
+        for arm, depth in (("L2", 2), ("L1", 1)):
+            run = _run_data(f"{arm}-seed{s}", 1.0, last[s] if arm == "L2" else 0.5 + 0.01 * s, 0.5)
+            run.config = {"model": {"num_layers": depth}}
+            run.results.append({"kind": "layer_probe", "layer": 1, "step": 50, "task": "k4",
+                                "accuracy": first[s] if arm == "L2" else 0.5 + 0.01 * s})
+            runs.append(run)
+    fig = report_paired.probe_by_layer_figure(runs)
+    (l2, l1) = fig.axes[0].containers
+    x, y = l2.lines[0].get_data()
+    np.testing.assert_allclose(np.round(np.asarray(x, float)), [1, 2])
+    np.testing.assert_allclose(np.asarray(y, float), [100 * np.mean(first), 100 * np.mean(last)])
+    half = [100 * stats.t.ppf(0.975, 2) * np.std(v, ddof=1) / np.sqrt(3) for v in (first, last)]
+    caps = np.asarray(l2.lines[1][0].get_ydata(), float)  # the lower caps: mean - half-width
+    np.testing.assert_allclose(caps, np.asarray(y, float) - np.asarray(half))
+    x1, y1 = l1.lines[0].get_data()
+    assert len(x1) == 1 and round(x1[0]) == 1 and y1[0] == pytest.approx(51.0)  # one layer: layer 1 is the last
+    assert report_paired.probe_by_layer_figure([_run_data("x-seed0", 1.0, 0.4, 0.5)]) is None
