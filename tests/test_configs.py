@@ -12,7 +12,7 @@ from flatlm.experiment import load_experiment, run_config, validate_experiment
 from flatlm.train.loop import validate
 
 NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
-         "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking", "fig2_width_depth")
+         "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking", "fig2_width_depth", "fig2_depth")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -199,3 +199,21 @@ def test_width_depth_crosses_two_widths_with_two_depths(arg):
             if r["name"].split("-seed")[0] in ("lstm32-L1", "lstm128-L2"):
                 want, got = run_config(fig2, r), configs[r["name"]]
                 assert {**want.to_dict(), "config_spec": ""} == {**got.to_dict(), "config_spec": ""}
+
+
+@pytest.mark.parametrize("arg", ["tiny", "cpu"])
+def test_depth_series_probes_every_inner_layer_and_matches_width_depth(arg):
+    """fig2_depth: one width, depths 1..3, each run probing its layers 1..depth-1 besides the last; at cpu scale its
+    one- and two-layer runs are fig2_width_depth's lstm128-L1 / -L2, setting for setting but the probed layers."""
+    exp = load_experiment(f"{REPO}/configs/experiments/fig2_depth.py:{arg}")
+    configs = {r["name"]: run_config(exp, r) for r in exp.runs}
+    for c in configs.values():
+        assert tuple(c.eval.probe.layers) == tuple(range(1, c.model.num_layers))
+    assert sorted({c.model.num_layers for c in configs.values()}) == [1, 2, 3]
+    if arg == "cpu":
+        wd = load_experiment(f"{REPO}/configs/experiments/fig2_width_depth.py:cpu")
+        for r in wd.runs:
+            if r["name"].split("-seed")[0] in ("lstm128-L1", "lstm128-L2"):
+                want, got = run_config(wd, r).to_dict(), configs[r["name"]].to_dict()
+                got["eval"]["probe"]["layers"] = want["eval"]["probe"]["layers"]
+                assert {**want, "config_spec": ""} == {**got, "config_spec": ""}
