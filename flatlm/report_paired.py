@@ -12,6 +12,8 @@ first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's l
 - `pretraining_gain`: per arm, fine-tuning from the pre-trained weights minus fine-tuning the same run's
   initialisation (`eval.finetune.from_init`), paired over seeds: what pre-training adds to fine-tuning at all.
   When it is zero, the fine-tuning column says nothing about the encoder.
+- `probe_by_layer` (+ `probe_by_layer_figure`): where runs probed inner layers (`eval.probe.layers`), each arm's
+  probe per layer and the paired differences layer k - its own last layer and - the control arm's last layer.
 """
 
 from __future__ import annotations
