@@ -10,7 +10,15 @@ Presets: `tiny` (smoke test, BERT d_model 32, 1..3 layers), `cpu` (HMM: BiLSTM h
 1024, 4 / 8 / 16 layers, A.3's grid; PCFG: BERT d_model 1024, 6 / 12 / 16 layers).
 """
 
-from flatlm.experiment import base_run_config, experiment_config, parse_arg
+import importlib.util
+from pathlib import Path
+
+from flatlm.experiment import experiment_config, parse_arg
+
+_spec = importlib.util.spec_from_file_location("flatlm_fig2_width_depth", Path(__file__).with_name(
+    "fig2_width_depth.py"))
+_width_depth = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_width_depth)
 
 SERIES = {  # preset, language -> (model field for the width, width, depths)
     ("tiny", "hmm"): ("d_model", 32, (1, 2, 3)),
@@ -24,12 +32,9 @@ SERIES = {  # preset, language -> (model field for the width, width, depths)
 
 def get_config(arg: str = "tiny"):
     preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
-    base = base_run_config(preset, language)
+    base = _width_depth.size_base(preset, language)  # fig2_width_depth's runs but for the model and probed layers
     field, width, depths = SERIES[preset, language]
     prefix = "lstm" if field == "d_hidden" else "d"
-    if preset == "tiny":
-        base.train.steps = 120
-        base.train.eval_every = base.checkpoint.every = 60
     runs = [(f"{prefix}{width}-L{d}", [f"--config.model.{field}={width}", f"--config.model.num_layers={d}",
                                         f"--config.eval.probe.layers={tuple(range(1, d))}"]) for d in depths]
     return experiment_config("fig2_depth", base, runs, flatness=dict(enabled=False),

@@ -25,14 +25,20 @@ GRIDS = {  # preset, language -> (model field for the width, widths, depths)
 }
 
 
-def get_config(arg: str = "tiny"):
-    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
+def size_base(preset: str, language: str):
+    """fig2's run config for `preset` (tiny: 120 steps, evaluated at 60 and 120); fig2_depth.py starts from it too."""
     base = base_run_config(preset, language)
-    field, widths, depths = GRIDS[preset, language]
-    prefix = "lstm" if field == "d_hidden" else "d"
     if preset == "tiny":
         base.train.steps = 120
         base.train.eval_every = base.checkpoint.every = 60
+    return base
+
+
+def get_config(arg: str = "tiny"):
+    preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
+    base = size_base(preset, language)
+    field, widths, depths = GRIDS[preset, language]
+    prefix = "lstm" if field == "d_hidden" else "d"
     # the smallest first: `flatlm report` pairs every arm against the first one unless told --control
     runs = [(f"{prefix}{w}-L{d}", [f"--config.model.{field}={w}", f"--config.model.num_layers={d}"])
             for d in depths for w in widths]
