@@ -4,8 +4,8 @@ Format: {"results": [entry, ...]}, each entry {"kind", "step", "time", ...}: kin
 "finetune", "lookup_table", "flatness", ...
 
 One entry per identity (`identity`): the kind, the step and the settings that tell two measurements apart (task,
-method, grown_to; of the `detail`: the estimator's method, num_batches and num_samples, the probe or
-fine-tuning config and the frozen layers). `append` replaces an earlier entry with the same identity (a
+the probed layer, method, grown_to; of the `detail`: the estimator's method, num_batches and num_samples, the probe
+or fine-tuning config and the frozen layers). `append` replaces an earlier entry with the same identity (a
 measurement redone, e.g. by a resumed experiment) by the new one at the end, instead of adding a duplicate;
 entries of other identities are never touched. `append` is atomic and safe across processes: the whole
 read-modify-write runs under the lock file `<workdir>/.results.lock` and the file is rewritten as a tmp file
@@ -30,7 +30,7 @@ from flatlm.errors import UserError, disk_full_is_one_line
 # What a flatness / spectrum / preconditioned-sharpness entry was measured on (its settings' "split"; absent:
 # "validation", masked validation sentences; "train": the training objective, see `flatlm flatness --split`)
 SPLITS = ("validation", "train")
-IDENTITY = ("kind", "step", "task", "method", "grown_to", "settings")  # settings: how it was measured
+IDENTITY = ("kind", "step", "task", "layer", "method", "grown_to", "settings")  # settings: how it was measured
 DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
 
 

@@ -92,6 +92,12 @@ def test_append_replaces_an_entry_of_the_same_identity(tmp_path):
     assert entries[0]["task"] == "k3"  # other entries keep their place
     assert results.identity({"kind": "probe", "step": 1, "task": "A", "time": 1}) == \
         results.identity({"kind": "probe", "step": 1, "task": "A", "time": 2, "accuracy": 0.1})
+    # probes of two inner layers at one step (eval.probe.layers): two measurements, each redone in its place
+    layer = {"kind": "layer_probe", "step": 10, "task": "k3"}
+    results.append(wd, [{**layer, "layer": 1, "accuracy": 0.5}, {**layer, "layer": 2, "accuracy": 0.4}])
+    results.append(wd, [{**layer, "layer": 2, "accuracy": 0.45}])
+    assert [(e["layer"], e["accuracy"]) for e in results.load(wd) if e["kind"] == "layer_probe"] == [(1, 0.5),
+                                                                                                      (2, 0.45)]
 
 
 # --- locks ---------------------------------------------------------------------------------------------------------
