@@ -123,13 +123,23 @@ def pretraining_gain(runs) -> list[str]:
             "| arm | task | seeds | fine-tune (%) | from init (%) | gain (pp) |", "|---|---|---|---|---|---|", *rows]
 
 
+def _layers(points) -> list[int]:
+    """The inner layers probed (`final`'s "layer<k>" keys) in any of `points`, ascending."""
+    return sorted({int(k[5:]) for p in points for k in p if k.startswith("layer")})
+
+
+def _mean_half(values) -> tuple[float, float]:
+    """Mean of `values` and the half-width of its 95 % t-interval (0 for a single value)."""
+    return sum(values) / len(values), claims.t_half_width(values) if len(values) > 1 else 0.0
+
+
 def probe_by_layer(runs, control: str | None = None) -> list[str]:
     """Markdown lines of the per-layer probe tables (`eval.probe.layers`, results kind "layer_probe"; none without
     them): each arm's accuracy per probed layer and at the last layer (mean [95% t-interval] over seeds), then per
     arm and inner layer k the paired differences layer k - the arm's own last layer (does the stack above k lose
     what layer k holds?) and layer k - the control arm's last layer (`control`, default the first arm)."""
     arms = groups(runs)
-    inner = sorted({int(k[5:]) for arm in arms.values() for p in arm.values() for k in p if k.startswith("layer")})
+    inner = _layers(p for arm in arms.values() for p in arm.values())
     if not inner:
         return []
     control = control or next(iter(arms))
@@ -139,7 +149,7 @@ def probe_by_layer(runs, control: str | None = None) -> list[str]:
     def mean_ci(values) -> str:
         if len(values) < 2:
             return f"{100 * values[0]:.1f}" if values else "-"
-        m, h = 100 * sum(values) / len(values), 100 * claims.t_half_width(values)
+        m, h = _mean_half([100 * v for v in values])
         return f"{m:.1f} [{m - h:.1f}, {m + h:.1f}]"
 
     md = [f"\n## Linear probe by layer (last checkpoint, {task}; mean [95% t-interval] over seeds, %)\n",
@@ -173,26 +183,25 @@ def probe_by_layer_figure(runs):
     seeds with its 95 % t-interval, the last layer's (the paper's probe) at the arm's depth (from its config, else
     one past its deepest probed layer). None without layer probes. For deep models, where the table is too wide."""
     arms = groups(runs)
+    probed = [arm for arm, seeds in arms.items() if _layers(seeds.values())]
+    if not probed:
+        return None
     depth = {arm: _depth(r) for arm, members in by_seed(runs).items() for r in list(members.values())[:1]}
     fig, ax = subplots()
-    drawn = False
-    probed = [arm for arm, seeds in arms.items() if any(k.startswith("layer") for p in seeds.values() for k in p)]
     for i, arm in enumerate(probed):
         have = [p for p in arms[arm].values() if p]
-        layers = sorted({int(k[5:]) for p in have for k in p if k.startswith("layer")})
+        layers = _layers(have)
         dodge = 0.05 * (i - (len(probed) - 1) / 2)  # arms side by side at each layer, not on top of each other
         last = depth.get(arm) or layers[-1] + 1
         xs, means, halves = [], [], []
         for x, key in [(k, f"layer{k}") for k in layers if k != last] + [(last, "probe")]:
             values = [100 * p[key] for p in have if p.get(key) is not None]
             if values:
+                mean, half = _mean_half(values)
                 xs.append(x + dodge)
-                means.append(sum(values) / len(values))
-                halves.append(claims.t_half_width(values) if len(values) > 1 else 0.0)
+                means.append(mean)
+                halves.append(half)
         ax.errorbar(xs, means, halves, fmt="o-", capsize=3, label=f"{arm} ({len(have)} seeds)")
-        drawn = True
-    if not drawn:
-        return None
     ax.set(xlabel="layer probed (an arm's deepest point: its last layer, the paper's probe)",
            ylabel="probe accuracy (%)",
            title="linear probe by layer (mean, 95% t-interval over seeds)")

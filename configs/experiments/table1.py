@@ -32,7 +32,7 @@ def get_config(arg: str = "tiny", default_language: str = "pcfg"):
         base.train.update(steps=2000, eval_every=200)
         base.checkpoint.every = 2000
         # Also measured at 1600 and 1800: C3 compares each run's last checkpoint inside the "same loss" band
-        # (flatlm.reproduce._last_in_band), as C1 and C4 do, since seed 5 of C3's seeds 3-14 ended its adversarial
+        # (flatlm.reproduce_points.last_in_band), as C1 and C4 do, since seed 5 of C3's seeds 3-14 ended its adversarial
         # run at KL 0.0210 (one iterate's KL moves by ~0.004 nats between checkpoints). Training is unchanged.
         base.checkpoint.steps = (1600, 1800)
         base.train.adversarial.update(d1_size=128, d2_size=128, ridge=3.0, start_step=1000)
