@@ -10,7 +10,10 @@ paper); `table2.py` is the paper's Table 2 (task C, with Tr(H)). The lookup-tabl
 from flatlm.experiment import PAPER_FLATNESS, base_run_config, experiment_config, parse_arg
 
 
-def get_config(arg: str = "tiny", default_language: str = "pcfg"):
+def get_config(arg: str = "tiny", default_language: str = "pcfg", strengths: dict | None = None,
+               name: str = "table"):
+    """`strengths`: {preset: adversarial strengths} replacing the preset's own (adversarial_strength.py); `name`: the
+    experiment's name prefix."""
     preset, language = parse_arg(arg, default_language, languages=("hmm", "pcfg"))
     base = base_run_config(preset, language)
     if preset == "tiny":
@@ -42,12 +45,13 @@ def get_config(arg: str = "tiny", default_language: str = "pcfg"):
             base.model.shape = "L16-H1024"
         base.train.adversarial.update(d1_size=256, d2_size=256, ridge=1.0)
         lams = (0.1, 1.0)
+    lams = (strengths or {}).get(preset, lams)
     runs = [("adamw", [])] + [(f"adversarial-lam{lam:g}", [f"--config.train.adversarial.lam={lam}"]) for lam in lams]
     flatness = dict(enabled=preset != "tiny")  # the paper's Table 2 reports Tr(H)
     if preset == "cpu":
         flatness.update(num_batches=2, draws=20)
     if preset == "paper":
         flatness.update(PAPER_FLATNESS)
-    return experiment_config(f"table_{language}", base, runs, flatness=flatness,
+    return experiment_config(f"{name}_{language}", base, runs, flatness=flatness,
                              seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
                              description="same loss, different downstream: the training algorithm")
