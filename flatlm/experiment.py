@@ -27,7 +27,7 @@ from flatlm import results as results_lib
 from flatlm import run as run_lib
 from flatlm.config import SEED_SUFFIX
 from flatlm.errors import UserError
-from flatlm.evaluate.runner import evaluate_run
+from flatlm.evaluate.runner import evaluate_run, incomplete_steps
 from flatlm.flatness.runner import flatness_run
 from flatlm.models import stacking
 from flatlm.train.loop import train_and_evaluate, validate
@@ -151,11 +151,6 @@ def _mark_done(run_dir: Path, final_step: int, info: dict) -> None:
     paths.write_text(run_dir / "DONE", json.dumps(info))
 
 
-def _pending_steps(run_dir: Path, kind: str, steps: list[int]) -> list[int]:
-    have = {e["step"] for e in results_lib.load(str(run_dir)) if e["kind"] == kind}
-    return [s for s in steps if s not in have]
-
-
 def with_seeds(exp, seeds: tuple[int, ...]):
     """A copy of `exp` whose seed-repeated runs (`<name>-seed<k>`, `experiment_config(seeds=...)`) are repeated over
     `seeds` instead: e.g. more pre-training seeds for a lead, in a new workdir (`flatlm report` takes both dirs and
@@ -245,9 +240,12 @@ def _final_shape_steps(run_dir: Path) -> list[int]:
 
 
 def evaluate_pending(run_dir: Path, progress: bool) -> None:
-    """Evaluate the checkpoints of a run that have no probe result yet (and the lookup table once)."""
-    steps = _pending_steps(run_dir, "probe", _final_shape_steps(run_dir))
-    have_lookup = any(e["kind"] == "lookup_table" for e in results_lib.load(str(run_dir)))
+    """Evaluate the checkpoints of a run whose evaluation is missing or was cut short (`incomplete_steps`: a
+    checkpoint with its probe but without its fine-tuning or layer probes is redone), and the lookup table once."""
+    entries = results_lib.load(str(run_dir))
+    config = config_lib.load_workdir_config(str(run_dir))
+    steps = incomplete_steps(config, entries, _final_shape_steps(run_dir))
+    have_lookup = any(e["kind"] == "lookup_table" for e in entries)
     if steps:
         evaluate_run(str(run_dir), steps, lookup=None if not have_lookup else False, progress=progress)
 

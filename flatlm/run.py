@@ -224,12 +224,13 @@ def prepare_data(config, workdir: str, quiet: bool = False) -> dict:
     return builder_lib.data_sources(builder)
 
 
-def task_names(config, language) -> tuple[str, ...]:
-    """The run's downstream tasks: `eval.tasks`, else the language's defaults (checked against the language)."""
+def task_names(config, language=None) -> tuple[str, ...]:
+    """The run's downstream tasks: `eval.tasks`, else the language's defaults (checked against `language` when
+    given: a run already trained was checked then)."""
     downstream = config.eval.get("downstream")
     names = (tuple(config.eval.tasks) or (tuple(downstream.tasks) if downstream is not None else ())
              or DEFAULT_TASKS.get(config.language.name, ()))
-    for t in names:
+    for t in names if language is not None else ():
         tasks_lib.check_task(language, config.language.name, t)
     return names
 

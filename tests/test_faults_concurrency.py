@@ -237,27 +237,57 @@ def get_config(arg="tiny"):
     base.checkpoint.every = 10
     base.data.data_dir = "{data}"
     base.eval.update(tasks=("k3",), task_train_size=200, task_eval_size=100)
-    base.eval.probe.update(epochs=2, num_seeds=1)
+    base.eval.probe.update(epochs=2, num_seeds=1, layers=(1,))
     base.eval.finetune.enabled = False
     return experiment_config("toy", base, [("a", [])], evaluate=True)
 '''
 
 
-def test_a_resumed_experiment_does_not_duplicate_exact_loss_entries(tmp_path):
+def test_a_resumed_experiment_redoes_a_cut_evaluation_without_duplicates(tmp_path):
+    """A kill between step 20's last-layer probe and its `eval.probe.layers` probe: the resumed experiment redoes
+    step 20's evaluation (it once counted a step with a probe entry as evaluated, and marked the run done without
+    its layer probe), once, and leaves step 10 alone."""
     cfg = tmp_path / "toy.py"
     cfg.write_text(EXPERIMENT.format(tiny=TINY, data=tmp_path / "data"))
     wd = tmp_path / "exp"
     args = ["experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet"]
     assert run_cli(*args).returncode == 0
     run = wd / "runs" / "a"
-    # what a kill between the exact loss and the probe of step 20 leaves: no DONE, no probe entry for 20
     (run / "DONE").unlink()
-    kept = [e for e in results.load(str(run)) if not (e["kind"] == "probe" and e["step"] == 20)]
+    kept = [e for e in results.load(str(run)) if not (e["kind"] == "layer_probe" and e["step"] == 20)]
     (run / "results.json").write_text(json.dumps({"results": kept}))
     t0 = time.time()
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     entries = results.load(str(run))
-    assert sorted(e["step"] for e in entries if e["kind"] == "exact_loss") == [10, 20]
-    assert sorted(e["step"] for e in entries if e["kind"] == "probe") == [10, 20]
-    assert [e["step"] for e in entries if e["time"] >= t0] == [20, 20]  # step 20 redone: exact loss and probe
+    for kind in ("exact_loss", "probe", "layer_probe"):
+        assert sorted(e["step"] for e in entries if e["kind"] == kind) == [10, 20], kind
+    redone = [(e["kind"], e["step"]) for e in entries if e["time"] >= t0]
+    assert redone == [("exact_loss", 20), ("probe", 20), ("layer_probe", 20)]
+    assert (run / "DONE").exists()
+
+
+def test_incomplete_steps_name_every_missing_measurement():
+    """`incomplete_steps`: a step lacks its evaluation until the exact loss and, per task, the probe, each layer
+    probe and (fine-tuning on) the fine-tuned accuracy are all there."""
+    from flatlm.config import load_config
+    from flatlm.evaluate.runner import incomplete_steps
+
+    config = load_config(TINY)
+    config.eval.update(tasks=("k3", "k4"))
+    config.eval.probe.layers = (1,)
+    config.eval.finetune.enabled = True
+    full = [{"kind": "exact_loss", "step": s} for s in (10, 20)]
+    full += [{"kind": k, "step": s, "task": t} for k in ("probe", "finetune") for s in (10, 20) for t in ("k3", "k4")]
+    full += [{"kind": "layer_probe", "step": s, "task": t, "layer": 1} for s in (10, 20) for t in ("k3", "k4")]
+    full += [{"kind": "lookup_table", "step": None, "task": "k3"}]
+    assert incomplete_steps(config, full, [10, 20]) == []
+    assert incomplete_steps(config, full, [10, 20, 30]) == [30]
+    for i, e in enumerate(full[:-1]):
+        assert incomplete_steps(config, full[:i] + full[i + 1:], [10, 20]) == [e["step"]], e
+    other_layer = [dict(e, layer=2) if e["kind"] == "layer_probe" and e["step"] == 10 else e for e in full]
+    assert incomplete_steps(config, other_layer, [10, 20]) == [10]
+    config.eval.finetune.enabled = False
+    config.eval.probe.layers = ()
+    lean = [e for e in full if e["kind"] in ("exact_loss", "probe")]
+    assert incomplete_steps(config, lean, [10, 20]) == []

@@ -27,6 +27,7 @@ from flatlm.evaluate.finetune import FinetuneConfig, finetune, recorded_config
 from flatlm.evaluate.lookup import run_lookup_probe
 from flatlm.evaluate.probe import ProbeConfig, probe_checkpoint
 from flatlm.run import Run, load_run
+from flatlm.run import task_names as run_task_names
 
 
 def run_exact_loss(run: Run, params, limit: int | None = None) -> dict:
@@ -66,6 +67,19 @@ def with_eval_overrides(config, overrides) -> object:
         raise UserError(f"{bad[0]!r}: evaluating a trained run takes overrides of its eval section only "
                         "(--config.eval.X=Y); train a new run to change anything else")
     return config_lib.apply_overrides(copy.deepcopy(config), list(overrides))
+
+
+def incomplete_steps(config, entries: list[dict], steps: list[int]) -> list[int]:
+    """The steps of `steps` lacking part of what `evaluate_run` writes there with the config's own settings (the
+    exact loss; per task the last layer's probe, each `eval.probe.layers` probe and, with fine-tuning on, the
+    fine-tuned accuracy): an evaluation interrupted midway is redone, never counted as finished."""
+    layers = tuple(config.eval.probe.get("layers") or ())
+    want = [("exact_loss", None, None)]
+    for t in run_task_names(config):
+        want += [("probe", t, None)] + [("layer_probe", t, k) for k in layers]
+        want += [("finetune", t, None)] if config.eval.finetune.enabled else []
+    have = {(e["kind"], e["step"], e.get("task"), e.get("layer")) for e in entries}
+    return [s for s in steps if any((kind, s, t, k) not in have for kind, t, k in want)]
 
 
 def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str, ...] = (), probe: bool = True,
