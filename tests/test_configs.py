@@ -13,7 +13,7 @@ from flatlm.train.loop import validate
 
 NAMES = ("fig1_after_convergence", "fig2_model_sizes", "fig3_sgd", "fig5_grown_sizes", "table1", "table1_hmm",
          "table2", "flatness_seeking", "flatness_seeking_encoder", "stacking", "fig2_width_depth", "fig2_depth",
-         "adversarial_strength")
+         "adversarial_strength", "adversarial_dose")
 RUN_CONFIGS = [f"{REPO}/configs/{name}.py:{preset}" for name in ("hmm_mlm", "pcfg_mlm")
                for preset in ("tiny", "cpu", "demo", "paper")]
 RUN_CONFIGS += [f"{REPO}/configs/opt_mlm.py:{p}" for p in ("tiny", "paper")]
@@ -53,7 +53,7 @@ def test_cpu_presets_fix_three_pretraining_seeds(name):
         assert c.checkpoint.after_convergence and c.train.schedule == "constant"
         assert c.checkpoint.convergence_max_kl == claims.MAX_KL  # converged means inside the "same loss" band
     if name in ("fig1_after_convergence", "fig3_sgd", "fig5_grown_sizes", "table1_hmm", "table2",
-                "adversarial_strength"):
+                "adversarial_strength", "adversarial_dose"):
         assert exp.flatness.enabled and exp.flatness.method == "fisher"
 
 
@@ -95,16 +95,21 @@ def test_table2_is_the_papers_pcfg_task_c_comparison_with_trace():
     assert {run_config(hmm, r).language.name for r in hmm.runs} == {"hmm"}
 
 
+STRENGTHS = {"adversarial_strength": {"tiny": (1.5, 3.0), "cpu": (1.0, 1.5), "paper": (0.1, 0.3, 1.0)},
+             "adversarial_dose": {"tiny": (0.5, 1.5), "cpu": (0.1, 0.3), "paper": (0.01, 0.03)}}
+
+
+@pytest.mark.parametrize("name", sorted(STRENGTHS))
 @pytest.mark.parametrize("preset", ["tiny", "cpu", "paper"])
-def test_adversarial_strength_is_table1_hmm_but_for_lam(preset):
-    """adversarial_strength.py: table1_hmm's AdamW run and its adversarial runs at other strengths, every other
-    setting equal (so its AdamW runs are table1_hmm's, seed for seed)."""
-    strength = load_experiment(f"{REPO}/configs/experiments/adversarial_strength.py:{preset}")
+def test_adversarial_strength_is_table1_hmm_but_for_lam(name, preset):
+    """adversarial_strength.py / adversarial_dose.py: table1_hmm's AdamW run and its adversarial runs at other
+    strengths, every other setting equal (so their AdamW runs are table1_hmm's, seed for seed)."""
+    strength = load_experiment(f"{REPO}/configs/experiments/{name}.py:{preset}")
     table = load_experiment(f"{REPO}/configs/experiments/table1_hmm.py:{preset}")
     ours = {r["name"]: run_config(strength, r) for r in strength.runs}
     theirs = {r["name"]: run_config(table, r) for r in table.runs}
     lams = {c.train.adversarial.lam for c in ours.values()} - {0.0}
-    assert lams == set({"tiny": (1.5, 3.0), "cpu": (1.0, 1.5), "paper": (0.1, 0.3, 1.0)}[preset])
+    assert lams == set(STRENGTHS[name][preset])
     reference = next(c for n, c in theirs.items() if n.startswith("adversarial") and n.endswith("-seed0"))
     for name, c in ours.items():
         same = theirs["adamw-seed0"] if name.startswith("adamw") else reference
