@@ -111,12 +111,12 @@ def test_adversarial_strength_is_table1_hmm_but_for_lam(name, preset):
     lams = {c.train.adversarial.lam for c in ours.values()} - {0.0}
     assert lams == set(STRENGTHS[name][preset])
     reference = next(c for n, c in theirs.items() if n.startswith("adversarial") and n.endswith("-seed0"))
-    for name, c in ours.items():
-        same = theirs["adamw-seed0"] if name.startswith("adamw") else reference
+    for run_name, c in ours.items():
+        same = theirs["adamw-seed0"] if run_name.startswith("adamw") else reference
         a, b = c.to_dict(), same.to_dict()
         for d in (a, b):
             d.pop("seed"), d.pop("config_spec"), d["train"]["adversarial"].pop("lam")
-        assert a == b, name
+        assert a == b, run_name
     assert strength.flatness.to_dict() == table.flatness.to_dict()
 
 
