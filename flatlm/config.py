@@ -154,10 +154,8 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     path, _, arg = spec.partition(":")
     if not path.endswith(".py") or not os.path.isfile(path):
         raise UserError(f"config file {path!r} not found; pass --config configs/NAME.py[:PRESET]")
-    module_spec = importlib.util.spec_from_file_location(f"flatlm_config_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        module = load_module(path)
     except SyntaxError as e:
         raise UserError(f"{path}:{e.lineno}: {e.msg}; fix the config file") from None
     if not hasattr(module, "get_config"):
@@ -168,6 +166,14 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
         raise UserError(f"{path}: unknown preset {arg!r}; {e.args[0] if e.args else ''}".rstrip("; ")) from None
     config.config_spec = spec
     return config
+
+
+def load_module(path) -> object:
+    """The module in Python file `path`, executed afresh (experiment configs load a sibling config file with it)."""
+    module_spec = importlib.util.spec_from_file_location(f"flatlm_config_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def presets(table: dict, arg: str, path: str):
@@ -223,9 +229,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         try:
             node[leaf] = value
         except TypeError:
-            raise UserError(
-                f"config field {key!r} expects {type(node[leaf]).__name__}, got {text!r}"
-            ) from None
+            raise UserError(f"config field {key!r} expects {type(node[leaf]).__name__}, got {text!r}") from None
     return config
 
 
@@ -259,7 +263,6 @@ def check_positive(section, prefix: str, *names: str) -> None:
 
 EXTENDABLE = ("train.steps",)  # fields a run may change on resume, and only upwards: see save_workdir_config
 
-
 LEGACY_STREAM_BLOCK = 8  # the stream source's block before `data.stream_block` existed
 
 
@@ -285,8 +288,8 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
     if path.exists():
         old = _read_json(path)
         new = json.loads(text)
-        old.pop("config_spec", None)
-        new.pop("config_spec", None)
+        for d in (old, new):
+            d.pop("config_spec", None)
         if old == new:
             return
         flat_old, flat_new = _flat(old), _flat(new)
@@ -332,10 +335,7 @@ def without_launch_fields(config: ml_collections.ConfigDict) -> ml_collections.C
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 

@@ -230,8 +230,9 @@ def task_names(config, language=None) -> tuple[str, ...]:
     downstream = config.eval.get("downstream")
     names = (tuple(config.eval.tasks) or (tuple(downstream.tasks) if downstream is not None else ())
              or DEFAULT_TASKS.get(config.language.name, ()))
-    for t in names if language is not None else ():
-        tasks_lib.check_task(language, config.language.name, t)
+    if language is not None:
+        for t in names:
+            tasks_lib.check_task(language, config.language.name, t)
     return names
 
 

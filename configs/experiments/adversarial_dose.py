@@ -8,12 +8,11 @@ when adversarial_strength's AdamW runs exist for the same seeds (same base, same
 `flatlm report STRENGTH_DIR DOSE_DIR --control adamw` pairs them by seed. Tiny: lam 0.5, 1.5; paper: lam 0.01, 0.03.
 """
 
-import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("flatlm_table1", Path(__file__).with_name("table1.py"))
-_table1 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_table1)
+from flatlm.config import load_module
+
+_table1 = load_module(Path(__file__).with_name("table1.py"))
 
 STRENGTHS = {"tiny": (0.5, 1.5), "cpu": (0.1, 0.3), "paper": (0.01, 0.03)}
 

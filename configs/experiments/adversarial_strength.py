@@ -10,12 +10,11 @@ Run its workdir as `W/table1_hmm-hmm` and `flatlm reproduce --claims C3 --workdi
 adversarial arm against AdamW, paired per seed. Tiny: lam 1.5 and 3 (the tiny preset's own); paper: lam 0.1, 0.3, 1.
 """
 
-import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("flatlm_table1", Path(__file__).with_name("table1.py"))
-_table1 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_table1)
+from flatlm.config import load_module
+
+_table1 = load_module(Path(__file__).with_name("table1.py"))
 
 STRENGTHS = {"tiny": (1.5, 3.0), "cpu": (1.0, 1.5), "paper": (0.1, 0.3, 1.0)}
 

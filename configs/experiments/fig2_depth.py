@@ -10,15 +10,12 @@ Presets: `tiny` (smoke test, BERT d_model 32, 1..3 layers), `cpu` (HMM: BiLSTM h
 1024, 4 / 8 / 16 layers, A.3's grid; PCFG: BERT d_model 1024, 6 / 12 / 16 layers).
 """
 
-import importlib.util
 from pathlib import Path
 
+from flatlm.config import load_module
 from flatlm.experiment import experiment_config, parse_arg
 
-_spec = importlib.util.spec_from_file_location("flatlm_fig2_width_depth", Path(__file__).with_name(
-    "fig2_width_depth.py"))
-_width_depth = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_width_depth)
+_width_depth = load_module(Path(__file__).with_name("fig2_width_depth.py"))
 
 SERIES = {  # preset, language -> (model field for the width, width, depths)
     ("tiny", "hmm"): ("d_model", 32, (1, 2, 3)),

@@ -7,12 +7,11 @@ loss" band on two cores (configs/experiments/README.md), so its verdict is expec
 `table2.py:cpu,hmm` is the same comparison on the HMM (task k4), where it does.
 """
 
-import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("flatlm_table1", Path(__file__).with_name("table1.py"))
-_table1 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_table1)
+from flatlm.config import load_module
+
+_table1 = load_module(Path(__file__).with_name("table1.py"))
 
 
 def get_config(arg: str = "tiny"):
