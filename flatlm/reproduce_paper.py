@@ -20,4 +20,7 @@ PAPER_VALUES = {
            "50.2 ± 1.0 %, Tr(H) 19.34 ± 0.92 (x2.4 Tr(H), -5.5 pp)"],
     "C4": ["Figure 3 (SGD, 12 % warmup, lr 1e-3): Tr(H) decreases after convergence while accuracy improves by "
            "1.6 pp (PCFG task C) and 4.0 pp (HMM task-10); no rank correlation is given"],
+    "C5": ["Table 1 (PCFG, 235M): linear probe on AdamW's transformer 89.9 ± 0.3 % (task A) and 49.2 ± 0.8 % (B) "
+           "against 71.2 % and 39.7 % on the lookup table (the true conditionals, loss 3.196 = the entropy): +18.7 "
+           "and +9.5 pp; Section 3.3: learning the conditionals cannot fully explain the downstream accuracy"],
 }

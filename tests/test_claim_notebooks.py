@@ -1,4 +1,4 @@
-"""colabs/claims/C1..C4.ipynb read a finished suite workdir and draw each claim's verdict and figures; executed
+"""colabs/claims/C1..C5.ipynb read a finished suite workdir and draw each claim's verdict and figures; executed
 headless by nbclient on a synthetic suite (the fixtures of test_reproduce), with the paper preset's layout."""
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from test_reproduce import (
     test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced as make_c3,
 )
 from test_reproduce import (
+    test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed as make_c5,
+)
+from test_reproduce import (
     test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_the_band as make_c4,
 )
 
@@ -27,14 +30,15 @@ def test_committed_notebooks_are_what_the_generator_writes():
     spec = importlib.util.spec_from_file_location("make_notebooks", REPO / "colabs" / "claims" / "make_notebooks.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    for cid in ("C1", "C2", "C3", "C4"):
+    for cid in ("C1", "C2", "C3", "C4", "C5"):
         committed = nbformat.read(REPO / "colabs" / "claims" / f"{cid}.ipynb", as_version=4)
         assert [c.source for c in committed.cells] == [c.source for c in gen.notebook(cid).cells], cid
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cid, make", [("C1", lambda p: make_c1(p, 0.45, "reproduced")), ("C2", make_c2),
-                                       ("C3", make_c3), ("C4", make_c4)])
+                                       ("C3", make_c3), ("C4", make_c4),
+                                       ("C5", lambda p: make_c5(p, 0.004, "reproduced"))])
 def test_claim_notebook_shows_verdict_and_figures(tmp_path, monkeypatch, cid, make):
     make(tmp_path)
     monkeypatch.setenv("FLATLM_REPRODUCE_WORKDIR", str(tmp_path))

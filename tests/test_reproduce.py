@@ -58,22 +58,51 @@ def test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_repr
     assert len(result.same_loss) == 9 and all(c.ok for _, c in result.same_loss)
 
 
-def test_c3_notes_the_lookup_table_mean_over_the_adamw_runs(tmp_path):
-    """Each AdamW run probes the exact conditionals with its own probe seeds: the note gives their mean and range
-    (it gave the first run's)."""
+def _add_lookup(exp, name, accuracy, task="k6"):
+    """Append a lookup-table probe result (as `flatlm evaluate` writes it) to run `name` of `exp`."""
+    path = exp / "runs" / name / "results.json"
+    stored = json.loads(path.read_text())
+    stored["results"].append({"kind": "lookup_table", "step": None, "task": task, "accuracy": accuracy,
+                              "accuracy_std": 0.01})
+    path.write_text(json.dumps(stored))
+
+
+@pytest.mark.parametrize("kl, want", [(0.004, "reproduced"), (0.008, "inconclusive")])
+def test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed(tmp_path, kl, want):
+    """Per seed: AdamW's probe at its last in-band checkpoint minus its lookup table's; "same loss" asks AdamW's
+    loss to be within max(0.005, 2 x its subset std 0.001) of the entropy (1.0), so KL 0.008 fails it. Seed 2
+    has no lookup result (noted, not compared); the lookup on another task is not read; the adversarial runs
+    against the lookup table are a note."""
     for name in ("table1_hmm", "table1", "table2"):
         exp = _dir(tmp_path, name)
         for s in SEEDS:
-            _run(exp, f"adamw-seed{s}", {900: (2.000, 0.010, 0.40, 5.0)})
-            _run(exp, f"adversarial-lam1-seed{s}", {900: (2.002, 0.012, 0.25, 7.0)})
-            path = exp / "runs" / f"adamw-seed{s}" / "results.json"
-            stored = json.loads(path.read_text())
-            stored["results"].append({"kind": "lookup_table", "task": "k6", "accuracy": 0.50 + 0.02 * s,
-                                      "accuracy_std": 0.01})
-            path.write_text(json.dumps(stored))
-    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C3",))
-    assert "table1_hmm-hmm: lookup table (optimal loss) probe accuracy 52.0% on task k6 (mean of 3 runs: " \
-           "50.0-54.0)" in result.notes
+            _run(exp, f"adamw-seed{s}", {1800: (1.0 + kl, kl, 0.48, 5.0), 2000: (1.03, 0.03, 0.9, 5.0)})
+            _run(exp, f"adversarial-lam1-seed{s}", {2000: (1.0 + kl, kl, 0.30 + 0.01 * s, 7.0)})
+            _add_lookup(exp, f"adversarial-lam1-seed{s}", 0.40)
+            if s < 2:
+                _add_lookup(exp, f"adamw-seed{s}", 0.40 + 0.002 * s)
+                _add_lookup(exp, f"adamw-seed{s}", 0.99, task="k2")
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C5",))
+    assert [f.name for f in result.findings] == ["probe accuracy: adamw - lookup table (table1_hmm-hmm)",
+                                                 "probe accuracy: adamw - lookup table (table1-pcfg)"]
+    acc = result.findings[0]
+    assert acc.effect.seeds == (0, 1) and acc.effect.differences == pytest.approx((0.08, 0.078))  # at step 1800
+    assert acc.verdict == want == result.verdict and len(result.same_loss) == 4
+    assert all(c.kl == (0.0, kl) and c.gap == pytest.approx(kl) for _, c in result.same_loss)
+    assert ("table1_hmm-hmm: adamw-seed2 has no lookup-table result on its task or no measured checkpoint: not "
+            "compared") in result.notes
+    assert "table1_hmm-hmm: lookup table probe accuracy 40.1% on task k6 (over 2 seeds: 40.0-40.2)" in result.notes
+    assert any(n.startswith("table1_hmm-hmm: adversarial-lam1 - lookup table, probe accuracy (not judged): -9 pp "
+                            "[") for n in result.notes)  # 0.30, 0.31, 0.32 - 0.40
+
+
+def test_c5_is_not_reproduced_when_the_lookup_table_probes_better(tmp_path):
+    exp = _dir(tmp_path, "table1_hmm", preset="cpu")
+    for s in SEEDS:
+        _run(exp, f"adamw-seed{s}", {2000: (1.004, 0.004, 0.40 + 0.001 * s, 5.0)})
+        _add_lookup(exp, f"adamw-seed{s}", 0.50)
+    (result,) = reproduce.evaluate_claims(str(tmp_path), ("C5",))
+    assert result.verdict == "not reproduced" and result.findings[0].effect.mean == pytest.approx(-0.099)
 
 
 def test_c3_is_inconclusive_when_a_pair_is_not_at_the_same_loss(tmp_path):
@@ -246,6 +275,7 @@ def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_o
     assert all(lang == "hmm" for exps in cpu.values() for _, lang in exps)
     assert [n for n, _ in cpu["C3"]] == ["table1_hmm"] and [n for n, _ in cpu["C2"]] == ["fig2_model_sizes",
                                                                                      "fig5_grown_sizes"]
+    assert [n for n, _ in cpu["C5"]] == ["table1_hmm"]
     exp = _dir(tmp_path, "table1_hmm", preset="cpu")
     for s in SEEDS:
         _run(exp, f"adamw-seed{s}", {2000: (2.000, 0.010, 0.40, 5.0)})
@@ -269,8 +299,11 @@ def test_the_report_has_a_verdict_line_per_claim(tmp_path):
     results = reproduce.evaluate_claims(str(tmp_path))
     path = reproduce.write_report(str(tmp_path), results, {}, "flatlm reproduce --preset cpu --workdir X")
     text = path.read_text()
-    assert [r.claim for r in results] == ["C3"]  # only claims whose experiments exist
+    assert [r.claim for r in results] == ["C3", "C5"]  # only claims whose experiments exist (C5 shares C3's)
     assert "| C3: the adversarial objective" in text and "**reproduced**" in text
+    assert "| C5: a trained model's probe beats the lookup table's (the true conditionals) | Table 1 (Section 3.3) " \
+           "| **inconclusive** |" in text  # no lookup-table result in these runs
+    assert "probe accuracy: adamw - lookup table (table1_hmm-hmm): not measured" in text
     assert "same loss: KL 0.0100 / 0.0120 nats" in text
     assert "  - per seed: 0: -15, 1: -14.8, 2: -14.6\n" in text  # every seed's accuracy difference, in pp
     assert "The paper:" in text and "Tr(H) 19.34 ± 0.92" in text  # the paper's Table 2 beside ours

@@ -1,4 +1,4 @@
-"""Write colabs/claims/C1..C4.ipynb: one notebook per claim of `flatlm reproduce`, reading a finished suite workdir
+"""Write colabs/claims/C1..C5.ipynb: one notebook per claim of `flatlm reproduce`, reading a finished suite workdir
 (FLATLM_REPRODUCE_WORKDIR, default runs/reproduce-cpu) and drawing its verdict, effects and figures.
 Run `python colabs/claims/make_notebooks.py` after changing the template; tests/test_claim_notebooks.py executes
 the committed notebooks on a synthetic suite."""
@@ -8,7 +8,8 @@ from pathlib import Path
 import nbformat
 
 TITLES = {"C1": "Figure 1: continuing after convergence", "C2": "Figures 2 and 5: model size",
-          "C3": "Tables 1 and 2: the adversarial objective", "C4": "Figure 3: SGD and the Tr(H)-accuracy correlation"}
+          "C3": "Tables 1 and 2: the adversarial objective", "C4": "Figure 3: SGD and the Tr(H)-accuracy correlation",
+          "C5": "Table 1: a trained model's probe vs the lookup table's"}
 
 SETUP = '''import os
 from pathlib import Path

@@ -11,7 +11,7 @@ from flatlm.table import print_json, print_table
 
 def add_parser(sub) -> None:
     """Register `reproduce`."""
-    p = sub.add_parser("reproduce", help="the paper's claims C1-C4: experiments, effects with CIs, verdicts")
+    p = sub.add_parser("reproduce", help="the paper's claims C1-C5: experiments, effects with CIs, verdicts")
     p.add_argument("--preset", default="cpu", help="experiment preset: cpu (laptop, converged), tiny (smoke), paper")
     p.add_argument("--workdir", required=True)
     p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
