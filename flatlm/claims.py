@@ -2,7 +2,8 @@
 
 "Same loss" (the regime the paper is about) is defined once, here: every compared model has exact KL <=
 `MAX_KL` nats, and two compared exact losses differ by less than max(`MIN_LOSS_GAP` nats, 2 x the larger of
-their subset standard deviations). `same_loss` returns both numbers so a report can print them.
+their subset standard deviations). `same_loss` returns both numbers so a report can print them; `near_optimal`
+is the check against the optimal loss itself (the band alone).
 
 An effect is measured over pre-training seeds fixed in advance: per-seed differences (treatment - control),
 their mean and a two-sided 95% t-interval (`paired_effect`). The verdict of a claim (`verdict`):
@@ -49,6 +50,14 @@ def same_loss(a: dict, b: dict) -> SameLoss:
     tolerance = max(MIN_LOSS_GAP, 2.0 * max(float(a.get("loss_std", 0.0)), float(b.get("loss_std", 0.0))))
     kl = (float(a["kl"]), float(b["kl"]))
     return SameLoss(ok=max(kl) <= MAX_KL and gap < tolerance, kl=kl, gap=gap, tolerance=tolerance)
+
+
+def near_optimal(a: dict) -> SameLoss:
+    """The "same loss" check of a trained model against the optimal one (the lookup table: loss = the entropy, KL 0):
+    the model is inside the band. Its gap to the entropy, measured on the same sentences, is its KL itself, so the
+    pairwise tolerance (made for two estimated losses) would ask for a narrower band than `MAX_KL`."""
+    kl = float(a["kl"])
+    return SameLoss(ok=kl <= MAX_KL, kl=(0.0, kl), gap=kl, tolerance=MAX_KL)
 
 
 @dataclasses.dataclass(frozen=True)

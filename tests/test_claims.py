@@ -22,6 +22,14 @@ def test_same_loss_band_uses_both_the_kl_bound_and_the_tolerance():
     assert "NOT the same loss" in claims.same_loss(_loss(2.0, 0.03), _loss(2.0, 0.01)).describe()
 
 
+def test_near_optimal_is_the_band_alone_with_the_kl_as_the_gap():
+    """Against the optimal loss the gap is the model's KL: inside the band passes whatever the subset std."""
+    ok = claims.near_optimal(_loss(2.015, 0.015, std=0.0001))
+    assert ok.ok and ok.kl == (0.0, 0.015) and ok.gap == 0.015 and ok.tolerance == claims.MAX_KL
+    assert claims.same_loss(_loss(2.0, 0.0, std=0.0001), _loss(2.015, 0.015, std=0.0001)).ok is False  # pairwise
+    assert not claims.near_optimal(_loss(2.021, 0.021)).ok and claims.near_optimal(_loss(2.02, 0.02)).ok
+
+
 def test_paired_effect_is_the_t_interval_of_the_per_seed_differences():
     control, treatment = {0: 0.30, 1: 0.32, 2: 0.31, 3: 0.29}, {0: 0.35, 1: 0.36, 2: 0.33, 3: 0.36, 7: 0.9}
     e = claims.paired_effect(control, treatment)

@@ -67,17 +67,17 @@ def _add_lookup(exp, name, accuracy, task="k6"):
     path.write_text(json.dumps(stored))
 
 
-@pytest.mark.parametrize("kl, want", [(0.004, "reproduced"), (0.008, "inconclusive")])
+@pytest.mark.parametrize("kl, want", [(0.015, "reproduced"), (0.025, "inconclusive")])
 def test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed(tmp_path, kl, want):
-    """Per seed: AdamW's probe at its last in-band checkpoint minus its lookup table's; "same loss" asks AdamW's
-    loss to be within max(0.005, 2 x its subset std 0.001) of the entropy (1.0), so KL 0.008 fails it. Seed 2
-    has no lookup result (noted, not compared); the lookup on another task is not read; the adversarial runs
-    against the lookup table are a note."""
+    """Per seed: AdamW's probe at its last in-band checkpoint (step 1800; with none in the band, the final one,
+    which fails the check) minus its lookup table's; "same loss" is AdamW inside the band (KL 0.015 passes though
+    it is 15 x the subset std). Seed 2 has no lookup result (noted, not compared); the lookup on another task is
+    not read; the adversarial runs against the lookup table are a note."""
     for name in ("table1_hmm", "table1", "table2"):
         exp = _dir(tmp_path, name)
         for s in SEEDS:
             _run(exp, f"adamw-seed{s}", {1800: (1.0 + kl, kl, 0.48, 5.0), 2000: (1.03, 0.03, 0.9, 5.0)})
-            _run(exp, f"adversarial-lam1-seed{s}", {2000: (1.0 + kl, kl, 0.30 + 0.01 * s, 7.0)})
+            _run(exp, f"adversarial-lam1-seed{s}", {2000: (1.004, 0.004, 0.30 + 0.01 * s, 7.0)})
             _add_lookup(exp, f"adversarial-lam1-seed{s}", 0.40)
             if s < 2:
                 _add_lookup(exp, f"adamw-seed{s}", 0.40 + 0.002 * s)
@@ -86,9 +86,10 @@ def test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed(tmp_path, 
     assert [f.name for f in result.findings] == ["probe accuracy: adamw - lookup table (table1_hmm-hmm)",
                                                  "probe accuracy: adamw - lookup table (table1-pcfg)"]
     acc = result.findings[0]
-    assert acc.effect.seeds == (0, 1) and acc.effect.differences == pytest.approx((0.08, 0.078))  # at step 1800
+    compared_kl, diffs = (kl, (0.08, 0.078)) if kl <= 0.02 else (0.03, (0.5, 0.498))
+    assert acc.effect.seeds == (0, 1) and acc.effect.differences == pytest.approx(diffs)
     assert acc.verdict == want == result.verdict and len(result.same_loss) == 4
-    assert all(c.kl == (0.0, kl) and c.gap == pytest.approx(kl) for _, c in result.same_loss)
+    assert all(c.kl == (0.0, compared_kl) and c.gap == compared_kl for _, c in result.same_loss)
     assert ("table1_hmm-hmm: adamw-seed2 has no lookup-table result on its task or no measured checkpoint: not "
             "compared") in result.notes
     assert "table1_hmm-hmm: lookup table probe accuracy 40.1% on task k6 (over 2 seeds: 40.0-40.2)" in result.notes
