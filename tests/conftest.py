@@ -32,6 +32,15 @@ def _compilation_cache_of_this_run(tmp_path_factory):
         os.environ["FLATLM_COMPILATION_CACHE"] = str(root / "jax-compilation-cache")
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_in_process(monkeypatch):
+    """`flatlm.cli.main.main` called in-process (many CLI tests) turned on JAX's persistent compilation cache for the
+    rest of its xdist worker, and JAX decides once per process, at its first compile, whether to use it: whether a
+    later test read compiled programs from disk depended on test order. In-process calls now never turn it on; the
+    `flatlm` subprocesses the tests start still share the run's cache (above)."""
+    monkeypatch.setattr("flatlm.run.enable_compilation_cache", lambda env=None: None)
+
+
 def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: int = 600,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with `devices` simulated CPU devices."""
