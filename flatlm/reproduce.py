@@ -332,7 +332,8 @@ def write_report(workdir: str, results: list[ClaimResult], timings: dict, comman
           f"{platform.machine()}, {os.cpu_count()} CPU cores; wall time of the experiments: {total / 60:.1f} min "
           f"({', '.join(f'{k} {v / 60:.1f}' for k, v in sorted(timings.items()))}).\n",
           f'"Same loss": every compared model has exact KL <= {claims.MAX_KL} nats and compared exact losses differ '
-          f"by less than max({claims.MIN_LOSS_GAP} nats, 2 x the larger 5-subset std). Effects are per-seed "
+          f"by less than max({claims.MIN_LOSS_GAP} nats, 2 x the larger 5-subset std); against the lookup table "
+          f"(the optimal loss, C5) the model's KL <= {claims.MAX_KL} alone. Effects are per-seed "
           f"differences with a {int(claims.CONFIDENCE * 100)}% t-interval; a claim is reproduced when every "
           "interval lies on the paper's side, not reproduced when one lies on the other side, otherwise "
           "inconclusive (also whenever a compared pair is not at the same loss).\n",
