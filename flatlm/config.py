@@ -32,8 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
             num_states=100, vocab_size=200, length=16, num_blocks=10,
             # PCFG: rules_file ("" -> random_grammar(seed, **grammar), by default of the released file's shape);
             # max_length caps sentences (0 -> the grammar's longest; longer samples are rejected).
-            rules_file="",
-            max_length=0,
+            rules_file="", max_length=0,
             grammar=ml_collections.ConfigDict(dict(
                 num_roots=9, levels=4, symbols_per_level=10, num_words=200, rules_per_symbol=20, leaf_rules=100)),
         )
@@ -112,6 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
             task_train_size=100_000,
             task_eval_size=10_000,  # validation and test, each
             lookup=True,  # also probe the lookup table (exact conditionals) once per run
+            lookup_words=False,  # also probe [conditionals; one-hot words] once per run (C5's control)
             probe=ml_collections.ConfigDict(dict(
                 enabled=True, epochs=100, batch_size=512, lr=1e-3, weight_decay=0.01, warmup_steps=50,
                 num_seeds=5, projection_dim=0, standardize=True,  # paper: 100 epochs; released: 50

@@ -93,11 +93,12 @@ def mean_std_over_seeds(members, task: str) -> tuple[list[int], np.ndarray, np.n
     return steps, mean, std
 
 
-def lookup_accuracies(runs, task: str) -> list[float]:
-    """The lookup-table probe accuracy on `task` of every run that has one (each run's last entry)."""
+def lookup_accuracies(runs, task: str, kind: str = "lookup_table") -> list[float]:
+    """The lookup-table probe accuracy on `task` of every run that has one (each run's last entry); `kind`
+    "lookup_words": the table with the words appended (`eval.lookup_words`)."""
     out = []
     for r in runs:
-        look = [e for e in r.results if e["kind"] == "lookup_table" and e.get("task") == task]
+        look = [e for e in r.results if e["kind"] == kind and e.get("task") == task]
         if look:
             out.append(float(look[-1]["accuracy"]))
     return out

@@ -255,6 +255,11 @@ def claim_c5(*exps: Path) -> ClaimResult:
             found.append(_finding(f"probe accuracy: adamw - lookup table ({exp.name})", table, model, +1,
                                   [c for _, c in pairs], 100.0, " pp"))
             checks += pairs
+            words = {s: look[0] for s in table if (look := lookup_accuracies([runs[s]], task_of(runs[s]) or "",
+                                                                           "lookup_words"))}
+            if len(words) >= 2:  # C5's control: the table with the words it leaves out appended
+                notes.append(f"{exp.name}: adamw - lookup table with the words, probe accuracy (not judged): "
+                             f"{claims.paired_effect(words, model).describe(100.0, ' pp')}")
             if table:
                 accs = [100 * a for a in table.values()]
                 notes.append(f"{exp.name}: lookup table probe accuracy {sum(accs) / len(accs):.1f}% on task "

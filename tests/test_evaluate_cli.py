@@ -70,8 +70,9 @@ def _main(capsys, *argv) -> tuple[int, list[str]]:
 def test_bad_steps_and_workdirs_are_user_errors(tmp_path, trained, capsys):
     with pytest.raises(UserError, match="no checkpoint at step"):
         parse_steps("7", [10, 20])
-    with pytest.raises(UserError, match="not all, last"):
+    with pytest.raises(UserError, match="not all, last, none"):
         parse_steps("ten", [10, 20])
+    assert parse_steps("none", [10, 20]) == [] and parse_steps("none", []) == []
     code, err = _main(capsys, "evaluate", "--workdir", tmp_path / "nothing")
     assert code == 2 and len(err) == 1 and "not a flatlm run" in err[0], err
     code, err = _main(capsys, "evaluate", "--workdir", trained, "--task", "k99")
@@ -178,3 +179,17 @@ def test_probe_layers_add_layer_probe_entries_and_refuse_a_layer_the_model_lacks
     assert table_rows(entries)[0]["probe-layer1:k3"] == table_rows(entries)[0]["probe:k3"]
     with pytest.raises(UserError, match=r"layers=\(2,\) must name layers 1..1"):
         run_lib.validate(with_eval_overrides(load_workdir_config(str(trained)), ["--config.eval.probe.layers=[2]"]))
+
+
+def test_steps_none_adds_only_the_lookup_table_with_the_words(trained, capsys):
+    """`--steps none` with eval.lookup_words: one "lookup_words" entry per task and nothing else, its probe on the
+    conditionals with the one-hot words appended (twice the lookup table's features), cached apart."""
+    n0 = len(results.load(str(trained)))
+    code, err = _main(capsys, "evaluate", "--workdir", trained, "--steps", "none", "--no-lookup", "--quiet",
+                      "--config.eval.lookup_words=true")
+    assert code == 0, err
+    new = results.load(str(trained))[n0:]
+    assert [(e["kind"], e["step"], e["task"]) for e in new] == [("lookup_words", None, "k3")]
+    table = next(e for e in results.load(str(trained)) if e["kind"] == "lookup_table")
+    assert new[0]["detail"]["feature_dim"] == 2 * table["detail"]["feature_dim"]
+    assert list((trained / "features").glob("features-steplookup_words-*.npz"))

@@ -33,6 +33,19 @@ def test_lookup_features_are_the_conditionals():
     assert xp.shape == (7, 4)
 
 
+def test_lookup_features_with_words_append_the_one_hot_words_inside_each_sentence():
+    language = hmm.random_hmm(0, num_states=4, vocab_size=6, length=5, num_blocks=2)
+    corpus = language.sample(7, seed=0)
+    lengths = np.array([5, 3, 5, 1, 4, 5, 2])  # shorter sentences: positions beyond the length get no word
+    x = lookup.lookup_features(language, corpus.tokens, lengths, batch_size=3, progress=False, with_words=True)
+    q = language.conditionals(corpus.tokens, lengths).reshape(7, 30)
+    words = np.zeros((7, 5, 6), np.float32)
+    for n in range(7):
+        for t in range(lengths[n]):
+            words[n, t, corpus.tokens[n, t]] = 1.0
+    np.testing.assert_allclose(x, np.concatenate([q, words.reshape(7, 30)], axis=1), atol=1e-6)
+
+
 def test_lookup_reaches_bayes_rate_when_emissions_identify_states():
     # one state per block: each state emits its own two words (w.p. 0.99), so x pins down z
     language = hmm.random_hmm(0, num_states=8, vocab_size=16, length=8, num_blocks=8, leakage=0.3,

@@ -58,11 +58,11 @@ def test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_repr
     assert len(result.same_loss) == 9 and all(c.ok for _, c in result.same_loss)
 
 
-def _add_lookup(exp, name, accuracy, task="k6"):
+def _add_lookup(exp, name, accuracy, task="k6", kind="lookup_table"):
     """Append a lookup-table probe result (as `flatlm evaluate` writes it) to run `name` of `exp`."""
     path = exp / "runs" / name / "results.json"
     stored = json.loads(path.read_text())
-    stored["results"].append({"kind": "lookup_table", "step": None, "task": task, "accuracy": accuracy,
+    stored["results"].append({"kind": kind, "step": None, "task": task, "accuracy": accuracy,
                               "accuracy_std": 0.01})
     path.write_text(json.dumps(stored))
 
@@ -82,6 +82,7 @@ def test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed(tmp_path, 
             if s < 2:
                 _add_lookup(exp, f"adamw-seed{s}", 0.40 + 0.002 * s)
                 _add_lookup(exp, f"adamw-seed{s}", 0.99, task="k2")
+                _add_lookup(exp, f"adamw-seed{s}", 0.50, kind="lookup_words")
     (result,) = reproduce.evaluate_claims(str(tmp_path), ("C5",))
     assert [f.name for f in result.findings] == ["probe accuracy: adamw - lookup table (table1_hmm-hmm)",
                                                  "probe accuracy: adamw - lookup table (table1-pcfg)"]
@@ -95,6 +96,8 @@ def test_c5_compares_adamws_probe_with_the_lookup_tables_on_each_seed(tmp_path, 
     assert "table1_hmm-hmm: lookup table probe accuracy 40.1% on task k6 (over 2 seeds: 40.0-40.2)" in result.notes
     assert any(n.startswith("table1_hmm-hmm: adversarial-lam1 - lookup table, probe accuracy (not judged): -9 pp "
                             "[") for n in result.notes)  # 0.30, 0.31, 0.32 - 0.40
+    words = [n for n in result.notes if n.startswith("table1_hmm-hmm: adamw - lookup table with the words")]
+    assert len(words) == 1 and f"{100 * (diffs[0] + 0.40 - 0.50):+.3g} pp" in words[0]  # the words' table: 0.50
 
 
 def test_c5_is_not_reproduced_when_the_lookup_table_probes_better(tmp_path):

@@ -69,7 +69,10 @@ def load_config(spec: str, overrides: list[str]):
 
 
 def parse_steps(spec: str, available: list[int]) -> list[int]:
-    """`all` | `last` (or `latest`) | comma-separated steps -> checkpoint steps, each of which must exist."""
+    """`all` | `last` (or `latest`) | `none` | comma-separated steps -> checkpoint steps, each of which must exist
+    (`none`: no checkpoint, only what is measured once per run, e.g. the lookup tables)."""
+    if spec == "none":
+        return []
     if not available:
         raise UserError("the run has no checkpoints yet; train it first (flatlm train ...)")
     if spec in ("all", ""):
@@ -79,7 +82,7 @@ def parse_steps(spec: str, available: list[int]) -> list[int]:
     try:
         wanted = [int(s) for s in spec.split(",") if s]
     except ValueError:
-        raise UserError(f"--steps {spec!r} is not all, last or a comma-separated list of steps") from None
+        raise UserError(f"--steps {spec!r} is not all, last, none or a comma-separated list of steps") from None
     missing = [s for s in wanted if s not in available]
     if missing:
         raise UserError(f"no checkpoint at step(s) {missing}; available: {available}")

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     """Register `evaluate`."""
     p = sub.add_parser("evaluate", help="exact loss, linear probe and fine-tuning of a run's checkpoints")
     p.add_argument("--workdir", required=True, help="a run's folder, or an experiment's (then every run in it)")
-    p.add_argument("--steps", default="all", help="all | last | comma-separated steps")
+    p.add_argument("--steps", default="all", help="all | last | none (only the lookup tables) | comma-separated steps")
     p.add_argument("--task", action="append", default=[], help="a downstream task (repeatable); default: config's")
     p.add_argument("--no-exact", action="store_true", help="skip the exact pre-training loss")
     p.add_argument("--no-probe", action="store_true",

@@ -36,11 +36,14 @@ def lookup_features(
     projection_seed: int = 0,
     progress: bool = True,
     desc: str = "conditionals",
+    with_words: bool = False,
 ) -> np.ndarray:
     """Concatenated exact conditionals float32[N, T*V] (or [N, projection_dim] through the same fixed Gaussian
     projection as `features.extract_features`; 0 = none), from `language.conditionals` in batches of `batch_size`.
 
     The paper's lookup table (Section 3.2, A.4) uses the true conditionals as a sentence's contextual embeddings.
+    `with_words` appends the one-hot words [onehot(x_1); ...; onehot(x_T)] (float32[N, 2*T*V] before projection;
+    zeros beyond a sentence's length): the information each q_t leaves out (not the paper's; C5's control).
     """
     tokens_NT = np.asarray(tokens_NT, np.int32)
     lengths_N = np.asarray(lengths_N, np.int32)
@@ -51,6 +54,10 @@ def lookup_features(
         stop = min(start + batch_size, n)
         q_BTV = np.asarray(language.conditionals(tokens_NT[start:stop], lengths_N[start:stop]), np.float32)
         x_BF = q_BTV.reshape(stop - start, -1)
+        if with_words:
+            inside_BT = np.arange(T)[None, :] < lengths_N[start:stop, None]
+            words_BTV = np.eye(q_BTV.shape[-1], dtype=np.float32)[tokens_NT[start:stop]] * inside_BT[..., None]
+            x_BF = np.concatenate([x_BF, words_BTV.reshape(stop - start, -1)], axis=1)
         if projection_dim:
             if proj_FP is None:
                 proj_FP = gaussian_projection(x_BF.shape[1], projection_dim, projection_seed)
@@ -83,27 +90,30 @@ def run_lookup_probe(
     batch_size: int = 4096,
     num_classes: int | None = None,
     progress: bool = True,
+    with_words: bool = False,
 ) -> dict:
     """Linear probe (same `ProbeConfig` as for models) on the lookup-table features of every split.
 
     tokens: split -> int[N, T]; lengths: split -> int[N]; labels: split -> int[N]; "train" is required.
-    Features are cached in `cache_dir` (key step "lookup") when given. Returns `run_probe`'s dict, kind
-    "lookup_table".
+    Features are cached in `cache_dir` (key step "lookup", or "lookup_words" `with_words`) when given. Returns
+    `run_probe`'s dict, kind "lookup_table" (or "lookup_words": the conditionals and the words, C5's control).
     """
+    kind = "lookup_words" if with_words else "lookup_table"
     t0 = time.perf_counter()
     feats = {}
     for split, tok in tokens.items():
         compute = lambda tok=tok, split=split: lookup_features(
             language, tok, lengths[split], batch_size=batch_size, projection_dim=config.projection_dim,
-            projection_seed=config.projection_seed, progress=progress, desc=f"conditionals {split}")
+            projection_seed=config.projection_seed, progress=progress, desc=f"conditionals {split}",
+            with_words=with_words)
         if cache_dir is None:
             feats[split] = compute()
         else:
             proj = config.projection_dim, config.projection_seed
-            path = feature_cache_path(cache_dir, "lookup", split, *proj)
+            path = feature_cache_path(cache_dir, kind.replace("_table", ""), split, *proj)
             key = fingerprint(np.asarray(tok, np.int32), np.asarray(lengths[split], np.int32))
             feats[split] = load_or_compute(path, key, compute)
     out = run_probe(feats, labels, config, num_classes=num_classes, progress=progress)
-    out["kind"] = "lookup_table"
+    out["kind"] = kind
     out["seconds"] = time.perf_counter() - t0
     return out

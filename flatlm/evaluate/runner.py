@@ -122,11 +122,11 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
         results_lib.append(workdir, [entries[-1]])
         clock[0] = time.perf_counter()
 
-    if do_lookup and probe:
+    for words in [False] * bool(do_lookup and probe) + [True] * bool(c.eval.lookup_words and probe):
         for t in names:
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
-                                   cache_dir=cache, num_classes=classes[t], progress=progress)
-            add({"kind": "lookup_table", "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
+                                   cache_dir=cache, num_classes=classes[t], progress=progress, with_words=words)
+            add({"kind": out["kind"], "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
 
     def tune(params, t):
         return finetune(run.apply_fn, params, split(t, "tokens"), split(t, "label"), ft_cfg, num_classes=classes[t],
