@@ -241,13 +241,14 @@ def _final_shape_steps(run_dir: Path) -> list[int]:
 
 def evaluate_pending(run_dir: Path, progress: bool) -> None:
     """Evaluate the checkpoints of a run whose evaluation is missing or was cut short (`incomplete_steps`: a
-    checkpoint with its probe but without its fine-tuning or layer probes is redone), and the lookup table once."""
+    checkpoint with its probe but without its fine-tuning or layer probes is redone), and the lookup tables once."""
     entries = results_lib.load(str(run_dir))
     config = config_lib.load_workdir_config(str(run_dir))
     steps = incomplete_steps(config, entries, _final_shape_steps(run_dir))
-    have_lookup = any(e["kind"] == "lookup_table" for e in entries)
+    have = {e["kind"] for e in entries}
     if steps:
-        evaluate_run(str(run_dir), steps, lookup=None if not have_lookup else False, progress=progress)
+        evaluate_run(str(run_dir), steps, lookup=False if "lookup_table" in have else None, progress=progress,
+                     lookup_words=False if "lookup_words" in have else None)
 
 
 def measured_by(entry: dict, fcfg) -> bool:

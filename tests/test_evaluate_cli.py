@@ -181,15 +181,30 @@ def test_probe_layers_add_layer_probe_entries_and_refuse_a_layer_the_model_lacks
         run_lib.validate(with_eval_overrides(load_workdir_config(str(trained)), ["--config.eval.probe.layers=[2]"]))
 
 
-def test_steps_none_adds_only_the_lookup_table_with_the_words(trained, capsys):
-    """`--steps none` with eval.lookup_words: one "lookup_words" entry per task and nothing else, its probe on the
-    conditionals with the one-hot words appended (twice the lookup table's features), cached apart."""
+def test_steps_none_adds_only_the_lookup_tables(trained, capsys):
+    """`--steps none` with eval.lookup_words: the lookup table's and the words-added table's entries per task and
+    nothing else, the latter's probe on the conditionals with the one-hot words appended (twice the features),
+    cached apart."""
     n0 = len(results.load(str(trained)))
-    code, err = _main(capsys, "evaluate", "--workdir", trained, "--steps", "none", "--no-lookup", "--quiet",
+    code, err = _main(capsys, "evaluate", "--workdir", trained, "--steps", "none", "--quiet",
                       "--config.eval.lookup_words=true")
     assert code == 0, err
     new = results.load(str(trained))[n0:]
-    assert [(e["kind"], e["step"], e["task"]) for e in new] == [("lookup_words", None, "k3")]
-    table = next(e for e in results.load(str(trained)) if e["kind"] == "lookup_table")
-    assert new[0]["detail"]["feature_dim"] == 2 * table["detail"]["feature_dim"]
+    assert [(e["kind"], e["step"], e["task"]) for e in new] == [("lookup_table", None, "k3"),
+                                                                 ("lookup_words", None, "k3")]
+    assert new[1]["detail"]["feature_dim"] == 2 * new[0]["detail"]["feature_dim"] == 2 * 8 * 20  # T x V, twice
     assert list((trained / "features").glob("features-steplookup_words-*.npz"))
+
+
+def test_lookup_words_is_asked_for_like_the_lookup_table(trained):
+    """`evaluate_run(lookup_words=False)` (what an experiment's resume passes once the entry exists) overrides the
+    config's eval.lookup_words, as `lookup=False` does the table's; None leaves it to the config."""
+    from flatlm.evaluate.runner import evaluate_run
+
+    on = ("--config.eval.lookup_words=true",)
+    kinds = lambda **kw: [e["kind"] for e in evaluate_run(str(trained), [], probe=True, exact=False, progress=False,  # noqa: E731
+                                                           finetune_=False, **kw)]
+    assert kinds(lookup=False, lookup_words=False, overrides=on) == []
+    assert kinds(lookup=False, overrides=on) == ["lookup_words"]
+    assert kinds(lookup=True, lookup_words=False, overrides=on) == ["lookup_table"]
+    assert kinds(lookup=False) == []  # the config's default: off

@@ -110,7 +110,7 @@ def run_lookup_probe(
             feats[split] = compute()
         else:
             proj = config.projection_dim, config.projection_seed
-            path = feature_cache_path(cache_dir, kind.replace("_table", ""), split, *proj)
+            path = feature_cache_path(cache_dir, "lookup_words" if with_words else "lookup", split, *proj)
             key = fingerprint(np.asarray(tok, np.int32), np.asarray(lengths[split], np.int32))
             feats[split] = load_or_compute(path, key, compute)
     out = run_probe(feats, labels, config, num_classes=num_classes, progress=progress)

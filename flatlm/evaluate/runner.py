@@ -84,19 +84,22 @@ def incomplete_steps(config, entries: list[dict], steps: list[int]) -> list[int]
 
 def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str, ...] = (), probe: bool = True,
                  finetune_: bool | None = None, lookup: bool | None = None, exact: bool = True,
-                 progress: bool = True, overrides: tuple[str, ...] = ()) -> list[dict]:
+                 progress: bool = True, overrides: tuple[str, ...] = (),
+                 lookup_words: bool | None = None) -> list[dict]:
     """Evaluate checkpoints `steps` (default: all) of the run in `workdir`; returns the new entries, which are
-    also appended to its results.json. `finetune_` / `lookup` default to the config's `eval` section, after
+    also appended to its results.json. `finetune_` / `lookup` / `lookup_words` (the lookup table, and the table with
+    the words, each probed once per run, not per step) default to the config's `eval` section, after
     `overrides` of that section (`with_eval_overrides`; each entry's `detail` records the settings it used).
     With `eval.finetune.from_init`, the run's initialisation is also fine-tuned ("finetune_init", step None), once
     per task and fine-tuning protocol (a later call finds it in results.json).
     Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     # no dir: load_run says why; in a multi-host run process 0 holds the lock for all (only it writes)
     with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir) and jax.process_index() == 0):
-        return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, exact, progress, overrides)
+        return _evaluate_run(workdir, steps, tasks, probe, finetune_, (lookup, lookup_words), exact, progress,
+                             overrides)
 
 
-def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, exact: bool,
+def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookups, exact: bool,
                   progress: bool, overrides) -> list[dict]:
     run = load_run(workdir, quiet=not progress)
     if overrides:
@@ -106,7 +109,10 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
     names = tuple(tasks) or run.task_names()
     classes = {t: run.num_classes(t) for t in names}
     do_ft = c.eval.finetune.enabled if finetune_ is None else finetune_
-    do_lookup = c.eval.lookup if lookup is None else lookup
+    lookup, words = lookups  # with the words appended: C5's control (flatlm.evaluate.lookup)
+    variants = [with_words for with_words, asked, default in ((False, lookup, c.eval.lookup),
+                                                              (True, words, c.eval.lookup_words))
+                if probe and (default if asked is None else asked)]
     probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
     data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft or probe_cfg.layers else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
@@ -122,10 +128,10 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, ex
         results_lib.append(workdir, [entries[-1]])
         clock[0] = time.perf_counter()
 
-    for words in [False] * bool(do_lookup and probe) + [True] * bool(c.eval.lookup_words and probe):
+    for with_words in variants:
         for t in names:
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
-                                   cache_dir=cache, num_classes=classes[t], progress=progress, with_words=words)
+                                   cache_dir=cache, num_classes=classes[t], progress=progress, with_words=with_words)
             add({"kind": out["kind"], "step": None, "task": t, **headline(out, split(t, "label")), "detail": out})
 
     def tune(params, t):
