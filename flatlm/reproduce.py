@@ -229,42 +229,49 @@ def claim_c3(*exps: Path) -> ClaimResult:
     return ClaimResult("C3", *SUITE["C3"][:2], found, checks, notes)
 
 
+def _against_lookup(runs: dict, notes: list[str], kind: str = "lookup_table") -> tuple[dict, dict]:
+    """({seed: the run's compared point (`last_in_band`)}, {seed: its lookup table's probe accuracy on the task the
+    run's probe reads}) of one method's runs {seed: run}; the second only for seeds with both. `kind`
+    "lookup_words": the table with the words appended (`eval.lookup_words`)."""
+    trained = {s: last_in_band(r, notes) for s, r in runs.items()}
+    table = {s: look[0] for s, r in runs.items() if trained[s]["loss"] and (look := lookup_accuracies(
+        [r], task_of(r) or "", kind))}
+    return trained, table
+
+
 def claim_c5(*exps: Path) -> ClaimResult:
     """Table 1's lookup-table row (Section 3.3): per seed, AdamW's probe at its last in-band checkpoint minus the
     lookup table's probe (the same linear probe on the exact conditionals of every position, A.4) on the same
     task data; the paper: higher. The lookup table has the optimal loss, so "same loss" is the AdamW model being
-    inside the band (`claims.near_optimal`). The adversarial runs against the lookup table are noted, not judged."""
+    inside the band (`claims.near_optimal`). Noted, not judged: AdamW against the table with the words appended
+    (C5's control), and the adversarial runs against the table."""
     found, checks, notes = [], [], []
+    versus = lambda table, trained: claims.paired_effect(  # noqa: E731
+        table, {s: trained[s]["accuracy"] for s in table}).describe(100.0, " pp")
     for exp in exps:
         groups = by_seed(find_runs([str(exp)]))
-        for name in ["adamw"] + sorted(n for n in groups if n.startswith("adversarial")):
-            runs = groups.get(name, {})
-            trained = {s: last_in_band(r, notes if name == "adamw" else []) for s, r in runs.items()}
-            table = {s: look[0] for s, r in runs.items() if trained[s]["loss"]
-                     and (look := lookup_accuracies([r], task_of(r) or ""))}
-            model = {s: trained[s]["accuracy"] for s in table}
-            if name != "adamw":
-                if len(table) >= 2:
-                    notes.append(f"{exp.name}: {name} - lookup table, probe accuracy (not judged): "
-                                 f"{claims.paired_effect(table, model).describe(100.0, ' pp')}")
-                continue
-            notes += [f"{exp.name}: {runs[s].name} has no lookup-table result on its task or no measured checkpoint: "
-                      "not compared" for s in sorted(set(runs) - set(table))]
-            pairs = [(f"{exp.name} adamw seed {s} vs the lookup table's optimal loss",
-                      claims.near_optimal(trained[s]["loss"])) for s in sorted(table)]
-            found.append(_finding(f"probe accuracy: adamw - lookup table ({exp.name})", table, model, +1,
-                                  [c for _, c in pairs], 100.0, " pp"))
-            checks += pairs
-            words = {s: look[0] for s in table if (look := lookup_accuracies([runs[s]], task_of(runs[s]) or "",
-                                                                           "lookup_words"))}
-            if len(words) >= 2:  # C5's control: the table with the words it leaves out appended
-                notes.append(f"{exp.name}: adamw - lookup table with the words, probe accuracy (not judged): "
-                             f"{claims.paired_effect(words, model).describe(100.0, ' pp')}")
-            if table:
-                accs = [100 * a for a in table.values()]
-                notes.append(f"{exp.name}: lookup table probe accuracy {sum(accs) / len(accs):.1f}% on task "
-                             f"{task_of(next(iter(runs.values())))} (over {len(accs)} seeds: "
-                             f"{min(accs):.1f}-{max(accs):.1f})")
+        runs = groups.get("adamw", {})
+        trained, table = _against_lookup(runs, notes)
+        notes += [f"{exp.name}: {runs[s].name} has no lookup-table result on its task or no measured checkpoint: "
+                  "not compared" for s in sorted(set(runs) - set(table))]
+        pairs = [(f"{exp.name} adamw seed {s} vs the lookup table's optimal loss",
+                  claims.near_optimal(trained[s]["loss"])) for s in sorted(table)]
+        found.append(_finding(f"probe accuracy: adamw - lookup table ({exp.name})", table,
+                              {s: trained[s]["accuracy"] for s in table}, +1, [c for _, c in pairs], 100.0, " pp"))
+        checks += pairs
+        if table:
+            accs = [100 * a for a in table.values()]
+            notes.append(f"{exp.name}: lookup table probe accuracy {sum(accs) / len(accs):.1f}% on task "
+                         f"{task_of(next(iter(runs.values())))} (over {len(accs)} seeds: "
+                         f"{min(accs):.1f}-{max(accs):.1f})")
+        if len(words := _against_lookup(runs, [], "lookup_words")[1]) >= 2:
+            notes.append(f"{exp.name}: adamw - lookup table with the words, probe accuracy (not judged): "
+                         f"{versus(words, trained)}")
+        for name in sorted(n for n in groups if n.startswith("adversarial")):
+            adv, adv_table = _against_lookup(groups[name], [])
+            if len(adv_table) >= 2:
+                notes.append(f"{exp.name}: {name} - lookup table, probe accuracy (not judged): "
+                             f"{versus(adv_table, adv)}")
     return ClaimResult("C5", *SUITE["C5"][:2], found, checks, notes)
 
 
