@@ -229,14 +229,17 @@ def claim_c3(*exps: Path) -> ClaimResult:
     return ClaimResult("C3", *SUITE["C3"][:2], found, checks, notes)
 
 
-def _against_lookup(runs: dict, notes: list[str], kind: str = "lookup_table") -> tuple[dict, dict]:
-    """({seed: the run's compared point (`last_in_band`)}, {seed: its lookup table's probe accuracy on the task the
-    run's probe reads}) of one method's runs {seed: run}; the second only for seeds with both. `kind`
-    "lookup_words": the table with the words appended (`eval.lookup_words`)."""
-    trained = {s: last_in_band(r, notes) for s, r in runs.items()}
-    table = {s: look[0] for s, r in runs.items() if trained[s]["loss"] and (look := lookup_accuracies(
-        [r], task_of(r) or "", kind))}
-    return trained, table
+def _lookup_of(runs: dict, trained: dict, kind: str = "lookup_table") -> dict:
+    """{seed: the lookup table's probe accuracy on the task the run's probe reads} over one method's runs {seed: run}
+    whose compared point `trained[seed]` was measured; `kind` "lookup_words": the table with the words appended
+    (`eval.lookup_words`)."""
+    return {s: look[0] for s, r in runs.items()
+            if trained[s]["loss"] and (look := lookup_accuracies([r], task_of(r) or "", kind))}
+
+
+def _versus(table: dict, trained: dict) -> str:
+    """The paired probe difference trained - lookup table over `table`'s seeds, in pp with its interval."""
+    return claims.paired_effect(table, {s: trained[s]["accuracy"] for s in table}).describe(100.0, " pp")
 
 
 def claim_c5(*exps: Path) -> ClaimResult:
@@ -246,12 +249,11 @@ def claim_c5(*exps: Path) -> ClaimResult:
     inside the band (`claims.near_optimal`). Noted, not judged: AdamW against the table with the words appended
     (C5's control), and the adversarial runs against the table."""
     found, checks, notes = [], [], []
-    versus = lambda table, trained: claims.paired_effect(  # noqa: E731
-        table, {s: trained[s]["accuracy"] for s in table}).describe(100.0, " pp")
     for exp in exps:
         groups = by_seed(find_runs([str(exp)]))
         runs = groups.get("adamw", {})
-        trained, table = _against_lookup(runs, notes)
+        trained = {s: last_in_band(r, notes) for s, r in runs.items()}
+        table = _lookup_of(runs, trained)
         notes += [f"{exp.name}: {runs[s].name} has no lookup-table result on its task or no measured checkpoint: "
                   "not compared" for s in sorted(set(runs) - set(table))]
         pairs = [(f"{exp.name} adamw seed {s} vs the lookup table's optimal loss",
@@ -264,14 +266,14 @@ def claim_c5(*exps: Path) -> ClaimResult:
             notes.append(f"{exp.name}: lookup table probe accuracy {sum(accs) / len(accs):.1f}% on task "
                          f"{task_of(next(iter(runs.values())))} (over {len(accs)} seeds: "
                          f"{min(accs):.1f}-{max(accs):.1f})")
-        if len(words := _against_lookup(runs, [], "lookup_words")[1]) >= 2:
+        if len(words := _lookup_of(runs, trained, "lookup_words")) >= 2:
             notes.append(f"{exp.name}: adamw - lookup table with the words, probe accuracy (not judged): "
-                         f"{versus(words, trained)}")
+                         f"{_versus(words, trained)}")
         for name in sorted(n for n in groups if n.startswith("adversarial")):
-            adv, adv_table = _against_lookup(groups[name], [])
-            if len(adv_table) >= 2:
+            adv = {s: last_in_band(r, []) for s, r in groups[name].items()}
+            if len(adv_table := _lookup_of(groups[name], adv)) >= 2:
                 notes.append(f"{exp.name}: {name} - lookup table, probe accuracy (not judged): "
-                             f"{versus(adv_table, adv)}")
+                             f"{_versus(adv_table, adv)}")
     return ClaimResult("C5", *SUITE["C5"][:2], found, checks, notes)
 
 
