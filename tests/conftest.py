@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache_of_this_run(tmp_path_factory):
-    """One JAX compilation cache per test run, shared by its xdist workers and every `flatlm` process the tests
-    start (they compile the same tiny models again and again), never by two runs: each run compiles from
+    """One JAX compilation cache per test run, shared by every `flatlm` process the tests start, from any xdist
+    worker (they compile the same tiny models again and again), never by two runs: each run compiles from
     scratch. $FLATLM_COMPILATION_CACHE set by the caller (e.g. "off") wins."""
     if "FLATLM_COMPILATION_CACHE" not in os.environ:
         root = tmp_path_factory.getbasetemp()
