@@ -8,6 +8,7 @@ Table 1/2 layout (mean ± std over seeds). Error bars wherever a std or standard
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -270,17 +271,17 @@ def _write_report(runs: list[RunData], dirs: list[str], out_dir: Path, control: 
         loss = f"{ex[last]['loss']:.4f} ± {ex[last]['loss_std']:.4f}" if last is not None else "-"
         kl = f"{ex[last]['kl']:.2e}" if last is not None else "-"
         rows.append([r.name, f"{r.num_params:,}" if r.num_params else "-", loss, kl, *probe_cells, *ft_cells, *tr])
-    for t in tasks:
-        look = [e for r in runs for e in r.results if e["kind"] == "lookup_table" and e.get("task") == t]
+    for (kind, label, _), t in itertools.product(plots.LOOKUPS, tasks):  # the lookup table(s), per task
+        look = [e for r in runs for e in r.results if e["kind"] == kind and e.get("task") == t]
         if look:
             cells = ["-"] * len(tasks)
-            accs = plots.lookup_accuracies(runs, t)  # one per run: several runs give their mean ± std
+            accs = plots.lookup_accuracies(runs, t, kind)  # one per run: several runs give their mean ± std
             cells[tasks.index(t)] = (_pm(look[-1]["accuracy"], look[-1]["accuracy_std"]) if len(accs) == 1 else
                                      _pm(np.mean(accs), np.std(accs, ddof=1)))
-            name = f"lookup table ({t})" if len(accs) == 1 else f"lookup table ({t}, mean over {len(accs)} runs)"
-            ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals else None
-            rows.append([name, "-", f"{ent:.4f} (= entropy)" if ent else "-", "0", *cells,
-                         *(["-"] * (len(tasks) + len(init_tasks))), *(["-"] * len(ests))])
+            name = f"{label} ({t})" if len(accs) == 1 else f"{label} ({t}, mean over {len(accs)} runs)"
+            ent = runs[0].evals[-1]["eval/entropy"] if runs[0].evals and kind == "lookup_table" else None
+            rows.append([name, "-", f"{ent:.4f} (= entropy)" if ent else "-", "0" if kind == "lookup_table" else "-",
+                         *cells, *(["-"] * (len(tasks) + len(init_tasks))), *(["-"] * len(ests))])
     md.append("## Table (last checkpoint of each run; mean ± std over probe / fine-tuning seeds)\n")
     md.append("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     md += ["| " + " | ".join(row) + " |" for row in rows]

@@ -93,6 +93,11 @@ def mean_std_over_seeds(members, task: str) -> tuple[list[int], np.ndarray, np.n
     return steps, mean, std
 
 
+# (results kind, name, line style) of the once-per-run baselines: the probe on the exact conditionals (the paper's
+# lookup table) and on the conditionals with the one-hot words appended (`eval.lookup_words`, C5's control)
+LOOKUPS = (("lookup_table", "lookup table", ":"), ("lookup_words", "lookup table + words", "-."))
+
+
 def lookup_accuracies(runs, task: str, kind: str = "lookup_table") -> list[float]:
     """The lookup-table probe accuracy on `task` of every run that has one (each run's last entry); `kind`
     "lookup_words": the table with the words appended (`eval.lookup_words`)."""
@@ -113,10 +118,11 @@ def accuracy_vs_steps(runs, tasks: list[str]) -> Figure:
             if steps:
                 label = f"{name} ({len(members)} seeds)" if len(members) > 1 else name
                 ax.errorbar(steps, 100 * mean, 100 * std, fmt="o-", ms=3, capsize=2, label=label)
-        look = lookup_accuracies(runs, t)
-        if look:  # one probe on the exact conditionals per run (its own probe seeds): their mean, range in the label
-            spread = f" (mean of {len(look)}: {100 * min(look):.1f}-{100 * max(look):.1f})" if len(look) > 1 else ""
-            ax.axhline(100 * np.mean(look), color="k", ls=":", label="lookup table" + spread)
+        for kind, name, ls in LOOKUPS:  # one probe per run (its own probe seeds): their mean, range in the label
+            look = lookup_accuracies(runs, t, kind)
+            if look:
+                spread = f" (mean of {len(look)}: {100 * min(look):.1f}-{100 * max(look):.1f})" if len(look) > 1 else ""
+                ax.axhline(100 * np.mean(look), color="k", ls=ls, label=name + spread)
         ax.set(xlabel="step", ylabel="probe accuracy (%), mean ± std", title=f"task {t}")
         if ax.get_legend_handles_labels()[0]:  # runs without probe results draw nothing to label
             ax.legend(fontsize=7)

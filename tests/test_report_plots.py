@@ -71,6 +71,11 @@ def test_the_lookup_table_line_is_the_mean_over_runs():
     (line,) = [x for x in ax.lines if x.get_linestyle() == ":"]
     np.testing.assert_allclose(line.get_ydata(), 100 * np.mean([0.537, 0.534, 0.502]))
     assert "lookup table (mean of 3: 50.2-53.7)" in ax.get_legend_handles_labels()[1]
+    runs[1].results.append({"kind": "lookup_words", "task": "A", "accuracy": 0.58, "accuracy_std": 0.0})
+    (ax,) = plots.accuracy_vs_steps(runs, ["A"]).axes  # the words-added table: a line of its own
+    (words,) = [x for x in ax.lines if x.get_linestyle() == "-."]
+    np.testing.assert_allclose(words.get_ydata(), 58.0)
+    assert "lookup table + words" in ax.get_legend_handles_labels()[1]
 
 
 def test_accuracy_vs_size_is_each_arms_mean_and_t_interval_over_seeds():

@@ -165,6 +165,13 @@ def test_the_lookup_table_row_is_the_mean_over_runs(tmp_path):
     assert look[head.index("probe k4 (%)")] == f"52.0 ± {100 * np.std([0.50, 0.54], ddof=1):.1f}"
     head, *rows = _table(report.make_report(dirs[:1], str(tmp_path / "one")).read_text(), "## Table (last check")
     assert [r for r in rows if r[0].startswith("lookup")][0][head.index("probe k4 (%)")] == "50.0 ± 1.0"
+    for d, acc in zip(dirs, (0.60, 0.64)):  # the table with the words (eval.lookup_words): its own row after it
+        results.append(d, [{"kind": "lookup_words", "task": "k4", "accuracy": acc, "accuracy_std": 0.01}])
+    head, *rows = _table(report.make_report(dirs, str(tmp_path / "words")).read_text(), "## Table (last checkpoint")
+    look, words = [r for r in rows if r[0].startswith("lookup table")]
+    assert (look[0], words[0]) == ("lookup table (k4, mean over 2 runs)", "lookup table + words (k4, mean over 2 runs)")
+    assert words[head.index("probe k4 (%)")] == f"62.0 ± {100 * np.std([0.60, 0.64], ddof=1):.1f}"
+    assert (look[head.index("KL")], words[head.index("KL")]) == ("0", "-")  # the words' table is no language model
 
 
 def test_probe_by_layer_tables_by_hand():
