@@ -55,9 +55,8 @@ def lookup_features(
         q_BTV = np.asarray(language.conditionals(tokens_NT[start:stop], lengths_N[start:stop]), np.float32)
         x_BF = q_BTV.reshape(stop - start, -1)
         if with_words:
-            inside_BT = np.arange(T)[None, :] < lengths_N[start:stop, None]
-            words_BTV = np.eye(q_BTV.shape[-1], dtype=np.float32)[tokens_NT[start:stop]] * inside_BT[..., None]
-            x_BF = np.concatenate([x_BF, words_BTV.reshape(stop - start, -1)], axis=1)
+            words_BF = one_hot_words(tokens_NT[start:stop], lengths_N[start:stop], q_BTV.shape[-1])
+            x_BF = np.concatenate([x_BF, words_BF], axis=1)
         if projection_dim:
             if proj_FP is None:
                 proj_FP = gaussian_projection(x_BF.shape[1], projection_dim, projection_seed)
@@ -68,6 +67,15 @@ def lookup_features(
     if out_NF is None:
         raise ValueError("lookup_features: no examples")
     return out_NF
+
+
+def one_hot_words(tokens_NT, lengths_N, num_words: int) -> np.ndarray:
+    """The words as features, [onehot(x_1); ...; onehot(x_T)] float32[N, T * num_words], zeros beyond each
+    sentence's length: what `lookup_features(with_words=True)` appends to the conditionals."""
+    tokens_NT, lengths_N = np.asarray(tokens_NT), np.asarray(lengths_N)
+    inside_NT = np.arange(tokens_NT.shape[1])[None, :] < lengths_N[:, None]
+    words_NTV = np.eye(num_words, dtype=np.float32)[tokens_NT] * inside_NT[..., None]
+    return words_NTV.reshape(len(tokens_NT), -1)
 
 
 def bayes_accuracy(posterior_NC) -> float:

@@ -95,11 +95,11 @@ def evaluate_run(workdir: str, steps: list[int] | None = None, tasks: tuple[str,
     Holds the workdir's lock (`flatlm.locks.exclusive`): another writer there stops with one line."""
     # no dir: load_run says why; in a multi-host run process 0 holds the lock for all (only it writes)
     with locks.exclusive(workdir, "evaluating", enabled=os.path.isdir(workdir) and jax.process_index() == 0):
-        return _evaluate_run(workdir, steps, tasks, probe, finetune_, (lookup, lookup_words), exact, progress,
+        return _evaluate_run(workdir, steps, tasks, probe, finetune_, lookup, lookup_words, exact, progress,
                              overrides)
 
 
-def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookups, exact: bool,
+def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookup, lookup_words, exact: bool,
                   progress: bool, overrides) -> list[dict]:
     run = load_run(workdir, quiet=not progress)
     if overrides:
@@ -109,10 +109,8 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookups, e
     names = tuple(tasks) or run.task_names()
     classes = {t: run.num_classes(t) for t in names}
     do_ft = c.eval.finetune.enabled if finetune_ is None else finetune_
-    lookup, words = lookups  # with the words appended: C5's control (flatlm.evaluate.lookup)
-    variants = [with_words for with_words, asked, default in ((False, lookup, c.eval.lookup),
-                                                              (True, words, c.eval.lookup_words))
-                if probe and (default if asked is None else asked)]
+    do_lookup = c.eval.lookup if lookup is None else lookup
+    do_words = c.eval.lookup_words if lookup_words is None else lookup_words  # C5's control (flatlm.evaluate.lookup)
     probe_cfg = ProbeConfig(**c.eval.probe, seed=c.seed)
     data = {t: run.load_task(t, quiet=not progress) for t in names} if probe or do_ft or probe_cfg.layers else {}
     split = lambda t, key: {s: v[key] for s, v in data[t].items()}  # noqa: E731 - split -> array
@@ -128,7 +126,7 @@ def _evaluate_run(workdir: str, steps, tasks, probe: bool, finetune_, lookups, e
         results_lib.append(workdir, [entries[-1]])
         clock[0] = time.perf_counter()
 
-    for with_words in variants:
+    for with_words in [w for w, on in ((False, do_lookup), (True, do_words)) if on and probe]:
         for t in names:
             out = run_lookup_probe(run.language, split(t, "tokens"), split(t, "length"), split(t, "label"), probe_cfg,
                                    cache_dir=cache, num_classes=classes[t], progress=progress, with_words=with_words)

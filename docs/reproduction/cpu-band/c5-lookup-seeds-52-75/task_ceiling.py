@@ -9,10 +9,9 @@ flatlm's (`run_probe`, 3 seeds).
 import json
 
 import numpy as np
-from words_only import one_hot_words
 
 from flatlm.config import load_config
-from flatlm.evaluate.lookup import bayes_accuracy, lookup_features
+from flatlm.evaluate.lookup import bayes_accuracy, lookup_features, one_hot_words
 from flatlm.evaluate.probe import ProbeConfig, run_probe
 from flatlm.languages import make_language
 

@@ -6,18 +6,13 @@ trained). Run from the repository root:
 """
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from words_only import one_hot_words  # noqa: E402
-
-from flatlm.config import load_config  # noqa: E402
-from flatlm.evaluate.lookup import bayes_accuracy, lookup_features  # noqa: E402
-from flatlm.evaluate.probe import ProbeConfig, run_probe  # noqa: E402
-from flatlm.languages import make_language  # noqa: E402
+from flatlm.config import load_config
+from flatlm.evaluate.lookup import bayes_accuracy, lookup_features, one_hot_words
+from flatlm.evaluate.probe import ProbeConfig, run_probe
+from flatlm.languages import make_language
 
 PROBE = ProbeConfig(epochs=20, batch_size=256, lr=1e-3, num_seeds=2)
 N_TRAIN, N_TEST = 10_000, 3_000

@@ -9,19 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from flatlm.evaluate.lookup import bayes_accuracy
+from flatlm.evaluate.lookup import bayes_accuracy, one_hot_words
 from flatlm.evaluate.probe import ProbeConfig, run_probe
 from flatlm.run import load_run
-
-
-def one_hot_words(tokens_NT, lengths_N, num_words: int) -> np.ndarray:
-    """float32[N, T * num_words]: each position's word, zeros beyond the sentence's length."""
-    tokens_NT, lengths_N = np.asarray(tokens_NT), np.asarray(lengths_N)
-    inside_NT = np.arange(tokens_NT.shape[1])[None, :] < lengths_N[:, None]
-    words_NTV = np.eye(num_words, dtype=np.float32)[tokens_NT] * inside_NT[..., None]
-    return words_NTV.reshape(len(tokens_NT), -1)
 
 
 def main(root: str) -> None:
