@@ -179,13 +179,28 @@ def _verified(workdir, step: int, load, skip: str | None = None):
     raise DamagedCheckpoint(step, reason, move_aside(workdir, step))
 
 
+class _DropAbandonedOrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records about orbax's own tasks: when one read of a
+    damaged checkpoint fails, orbax raises the first error and its sibling reads' failed tasks are logged by asyncio
+    whenever they are collected (seen in CI: a second traceback on stderr beside the one-line report)."""
+
+    def filter(self, record):
+        """logging's hook: False (drop) for an unretrieved exception of a task defined in orbax."""
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
+
+
+_DROP_ABANDONED_ORBAX_TASKS = _DropAbandonedOrbaxTasks()
+
+
 @contextlib.contextmanager
 def _quiet_if_abandoned():
     """Run an orbax read or write. When it fails, the tensorstore callbacks of the abandoned operation still fire
-    into orbax's closed event loop, and its coroutines are collected later (while training goes on from an older
-    step, or at exit): all reach `sys.unraisablehook` as tracebacks around the one line that reports the error.
-    Drop those: "Event loop is closed" while the call runs and after it failed; after a failure, orbax's own
-    abandoned coroutines whenever they are collected, and whatever is unraisable while the interpreter exits."""
+    into orbax's closed event loop, and its coroutines and tasks are collected later (while training goes on from
+    an older step, or at exit): they reach `sys.unraisablehook` and asyncio's logger as tracebacks around the one
+    line that reports the error. Drop those: "Event loop is closed" while the call runs and after it failed; after
+    a failure, orbax's own abandoned coroutines and tasks whenever they are collected, and whatever is unraisable
+    while the interpreter exits."""
     previous = sys.unraisablehook
     failed = False
 
@@ -201,6 +216,8 @@ def _quiet_if_abandoned():
         yield
     except BaseException:
         failed = True  # keep the hook: the late callbacks come after the call has raised
+        if _DROP_ABANDONED_ORBAX_TASKS not in logging.getLogger("asyncio").filters:
+            logging.getLogger("asyncio").addFilter(_DROP_ABANDONED_ORBAX_TASKS)
         raise
     sys.unraisablehook = previous
 
