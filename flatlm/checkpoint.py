@@ -199,8 +199,9 @@ def _quiet_if_abandoned():
     into orbax's closed event loop, and its coroutines and tasks are collected later (while training goes on from
     an older step, or at exit): they reach `sys.unraisablehook` and asyncio's logger as tracebacks around the one
     line that reports the error. Drop those: "Event loop is closed" while the call runs and after it failed; after
-    a failure, orbax's own abandoned coroutines and tasks whenever they are collected, and whatever is unraisable
-    while the interpreter exits."""
+    a failure, orbax's own abandoned coroutines whenever they are collected, and whatever is unraisable while the
+    interpreter exits; from the first call on, the unretrieved exceptions of orbax's tasks (a failed read or
+    write fails the call too: it is reported by the call's own error, or caught by the checksums)."""
     previous = sys.unraisablehook
     failed = False
 
@@ -212,12 +213,12 @@ def _quiet_if_abandoned():
             previous(unraisable)
 
     sys.unraisablehook = hook
+    if _DROP_ABANDONED_ORBAX_TASKS not in logging.getLogger("asyncio").filters:  # from the start: a sibling task
+        logging.getLogger("asyncio").addFilter(_DROP_ABANDONED_ORBAX_TASKS)  # may be collected before orbax raises
     try:
         yield
     except BaseException:
         failed = True  # keep the hook: the late callbacks come after the call has raised
-        if _DROP_ABANDONED_ORBAX_TASKS not in logging.getLogger("asyncio").filters:
-            logging.getLogger("asyncio").addFilter(_DROP_ABANDONED_ORBAX_TASKS)
         raise
     sys.unraisablehook = previous
 
