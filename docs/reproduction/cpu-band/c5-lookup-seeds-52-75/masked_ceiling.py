@@ -14,16 +14,13 @@ import json
 import sys
 
 import numpy as np
+from task_ceiling import CASES, N_TEST, N_TRAIN, PROBE  # the unmasked task's HMMs, sizes and probe (same folder)
 
 from flatlm.config import load_config
 from flatlm.evaluate.lookup import bayes_accuracy, lookup_features, one_hot_words
-from flatlm.evaluate.probe import ProbeConfig, run_probe
+from flatlm.evaluate.probe import run_probe
 from flatlm.languages import make_language
 from flatlm.languages.base import special_ids
-
-CASES = (("configs/hmm_mlm.py:cpu", 4), ("configs/hmm_mlm.py:paper", 6))
-N_TRAIN, N_TEST = 20_000, 5_000
-PROBE = ProbeConfig(epochs=30, batch_size=256, lr=1e-3, num_seeds=3)
 
 
 def measure(spec: str, k: int, seed: int = 1) -> dict:
