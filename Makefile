@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(VENV)/bin/flatlm demo
 
 # --dist loadfile: each file's tests on one worker, so what they compile (same tiny shapes, file after file) is
-# compiled once per file, not once per worker: 1071 s of test time instead of 1230 s, 9:09 instead of 10:36 of wall
-# on 2 cores (two runs one after the other, the same 673 tests).
+# compiled once per file, not once per worker: 1071 s of test time instead of 1230 s in two runs one after the other
+# (2 cores); 9:09-10:24 of wall over six runs with it, 10:36-12:05 over two without, on a slow machine that drifts.
 test: $(STAMP)
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" --durations=15
 
