@@ -39,6 +39,15 @@ def _scale(alpha: float, x: Params) -> Params:
     return jax.tree.map(lambda xi: alpha * xi, x)
 
 
+def _start(key: jax.Array, params: Params) -> Params:
+    """A Rademacher start vector laid out as `params` (on their mesh when they are jax Arrays), so that it and the
+    products the matvec returns share one layout and each jitted step compiles once, not once per layout."""
+    leaves = jax.tree.leaves(params)
+    if not all(isinstance(x, jax.Array) for x in leaves):
+        return probe_like(key, params)
+    return probe_like(key, params, shardings=jax.tree.map(lambda x: x.sharding, params))
+
+
 def num_params(params: Params) -> int:
     """Number of scalars in a parameter pytree (n, the Hessian's dimension)."""
     return int(sum(np.size(x) for x in jax.tree.leaves(params)))
@@ -57,10 +66,7 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     the end; an early breakdown (beta ~ 0) truncates them there: steps after it are wasted work, never a result."""
     ravel, unravel = _raveller(*_structure(v0))
     mv = lambda x: ravel(matvec(unravel(x)))
-    flat0 = ravel(v0)
-    v = flat0 / jnp.linalg.norm(flat0)
-    v_prev, beta = jnp.zeros_like(v), jnp.zeros((), v.dtype)
-    B_MN = jnp.zeros((num_iters, v.size), v.dtype)
+    v, v_prev, beta, B_MN = _lanczos_start(ravel(v0), num_iters)
     coefs = []
     for i in range(num_iters):
         alpha, beta, v_next, B_MN = _lanczos_step(B_MN, v, v_prev, beta, mv(v), i)
@@ -69,6 +75,14 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     alphas, betas = np.asarray(jax.device_get(coefs), np.float64).T
     stop = next((i for i, (a, b) in enumerate(zip(alphas, betas)) if b <= 1e-10 * max(1.0, abs(a))), num_iters - 1)
     return alphas[: stop + 1], betas[: stop + 1]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _lanczos_start(flat0_N, num_iters: int):
+    """The unit start vector, a zero previous vector and beta, and the empty basis [num_iters, N], made on the
+    device where the start vector lives (as the steps' outputs are: one compile of `_lanczos_step`, not three)."""
+    v_N = flat0_N / jnp.linalg.norm(flat0_N)
+    return v_N, jnp.zeros_like(v_N), jnp.zeros((), v_N.dtype), jnp.zeros((num_iters, v_N.size), v_N.dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -148,7 +162,7 @@ def top_eigenvalues(loss_fn: Callable[[Params], jax.Array], params: Params, key:
         raise ValueError(f"k must be >= 1, got {k}")
     mv = matvec or jax.jit(hvp_fn(loss_fn, params))
     m = min(num_iters or k + 5, num_params(params))
-    alphas, betas = lanczos(mv, probe_like(key, params), m)
+    alphas, betas = lanczos(mv, _start(key, params), m)
     theta, S = _ritz(alphas, betas)
     order = np.argsort(theta)[::-1][:k]
     return TopEigenvalues(theta[order], np.abs(betas[-1] * S[-1, order]), m)  # m HVPs ran, whatever was kept
@@ -158,7 +172,7 @@ def power_iteration(loss_fn: Callable[[Params], jax.Array], params: Params, key:
                     tol: float = 1e-7, matvec: MatVec | None = None) -> tuple[float, int]:
     """(eigenvalue of largest magnitude, HVPs used): v <- Hv / |Hv| until the Rayleigh quotient moves < tol."""
     mv = matvec or jax.jit(hvp_fn(loss_fn, params))
-    v = probe_like(key, params)
+    v = _start(key, params)
     v = _scale(1.0 / np.sqrt(_dot(v, v)), v)
     value = 0.0
     for i in range(1, num_iters + 1):
@@ -206,7 +220,7 @@ def spectral_density(loss_fn: Callable[[Params], jax.Array], params: Params, key
     nodes = np.zeros((num_probes, m))
     weights = np.zeros((num_probes, m))
     for i in range(num_probes):
-        alphas, betas = lanczos(mv, probe_like(jax.random.fold_in(key, i), params), m)
+        alphas, betas = lanczos(mv, _start(jax.random.fold_in(key, i), params), m)
         theta, S = _ritz(alphas, betas)
         nodes[i, : len(theta)], weights[i, : len(theta)] = theta, S[0] ** 2
     return Density(nodes, weights, num_params(params))
@@ -218,6 +232,18 @@ def adam_edge_of_stability(lr: float, b1: float = 0.9) -> float:
     return 2.0 * (1.0 + b1) / ((1.0 - b1) * lr)
 
 
+@jax.jit
+def _inverse_sqrt_preconditioner(nu: Params, corr: float, eps: float) -> Params:
+    """P^-1/2 = 1 / sqrt(sqrt(nu / corr) + eps) leafwise, one dispatch (jitted, as `_multiply_trees`: eager tree
+    maps compiled each op once per leaf shape, seconds of a small model's first call on CPU)."""
+    return jax.tree.map(lambda x: 1.0 / jnp.sqrt(jnp.sqrt(x / corr) + eps), nu)
+
+
+@jax.jit
+def _multiply_trees(a: Params, b: Params) -> Params:
+    return jax.tree.map(jnp.multiply, a, b)
+
+
 def preconditioned_sharpness(loss_fn: Callable[[Params], jax.Array], params: Params, second_moment: Params,
                              key: jax.Array, *, b2: float = 0.999, step: int = 0, eps: float = 1e-8,
                              num_iters: int = 20, matvec: MatVec | None = None) -> TopEigenvalues:
@@ -226,10 +252,10 @@ def preconditioned_sharpness(loss_fn: Callable[[Params], jax.Array], params: Par
     bias-corrected by 1 - b2^step when `step` > 0; compare with `adam_edge_of_stability(lr, b1)`. `matvec`
     replaces the HVP of `loss_fn` (e.g. `compare.hessian_matvec` over several batches)."""
     corr = 1.0 - b2 ** step if step > 0 else 1.0
-    inv_sqrt_p = jax.tree.map(lambda nu: 1.0 / jnp.sqrt(jnp.sqrt(nu / corr) + eps), second_moment)
+    inv_sqrt_p = _inverse_sqrt_preconditioner(second_moment, corr, eps)
     hv = matvec or jax.jit(hvp_fn(loss_fn, params))
 
     def matvec(v):
-        return jax.tree.map(jnp.multiply, inv_sqrt_p, hv(jax.tree.map(jnp.multiply, inv_sqrt_p, v)))
+        return _multiply_trees(inv_sqrt_p, hv(_multiply_trees(inv_sqrt_p, v)))
 
     return top_eigenvalues(loss_fn, params, key, k=1, num_iters=num_iters, matvec=matvec)
