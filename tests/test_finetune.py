@@ -116,3 +116,19 @@ def test_lr_grid_needs_validation_and_test_and_positive_rates():
                     max_len=T + 1, progress=False)
     with pytest.raises(UserError, match="positive learning rates"):
         ft.FinetuneConfig(lr_grid=(1e-3, 0.0))
+
+
+def test_an_encoder_on_a_mesh_compiles_the_epoch_once():
+    """A restored checkpoint's params live on the run's mesh; the fresh head and optimizer state must join it before
+    the first epoch, or the epoch function compiles twice (once more for its own mesh-placed outputs)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    model = Bert(BertConfig(num_words=V, max_len=T + 1, d_model=8, num_layers=1, num_heads=2))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    params = jax.device_put(_init(model, T + 1), NamedSharding(mesh, PartitionSpec()))
+    tok, y = _data(64)
+    # head_init_std: a static config no other test uses, so the epoch function's cache has no entry for it yet
+    cfg = ft.FinetuneConfig(epochs=3, batch_size=32, warmup_steps=1, num_seeds=1, head_init_std=0.0123)
+    before = ft._finetune_epoch._cache_size()
+    ft.finetune(model.apply, params, {"train": tok}, {"train": y}, cfg, num_words=V, max_len=T + 1, progress=False)
+    assert ft._finetune_epoch._cache_size() == before + 1

@@ -131,3 +131,19 @@ def test_trace_estimators_are_unbiased_for_the_model_hessian(problem):
     assert abs(est.mean - np.trace(H)) < 4 * est.stderr
     # Rademacher: Var(v.Hv) = 2 (||H||_F^2 - sum_i H_ii^2)
     assert est.sample_std == pytest.approx(np.sqrt(2 * (np.sum(H * H) - np.sum(np.diag(H) ** 2))), rel=0.1)
+
+
+def test_lanczos_on_params_on_a_mesh_compiles_its_step_once():
+    """Parameters restored from a checkpoint live on the run's mesh, and so do the products of a matvec over them:
+    the start vector, zeros and basis must too, or the step compiles three times (once per layout change)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    A = jnp.diag(jnp.arange(1.0, 30.0))  # 29 x 29: a shape no other test gives the step
+    params = jax.device_put({"x": jnp.zeros(29)}, NamedSharding(mesh, PartitionSpec()))
+    product = jax.jit(lambda p, v: {"x": A @ v["x"] + 0.0 * p["x"]})  # reads params, as an HVP does
+    matvec = lambda v: product(params, v)  # noqa: E731
+    before = spectrum._lanczos_step._cache_size()
+    top = spectrum.top_eigenvalues(None, params, jax.random.key(0), k=1, num_iters=12, matvec=matvec)
+    assert spectrum._lanczos_step._cache_size() == before + 1
+    assert abs(top.values[0] - 29.0) <= top.residual[0] + 1e-4
