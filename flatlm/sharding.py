@@ -145,3 +145,23 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     """Assemble each process's slice of the batch into global arrays sharded over the data axis."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the first mesh-placed leaf of `tree` lives on (restored checkpoints' parameters do), or None."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x.sharding.mesh
+    return None
+
+
+def replicate_like(params, tree):
+    """`tree` with each leaf that is not on a mesh replicated over the mesh of `params` (`tree` itself when `params`
+    are on none). A jitted function's outputs carry its inputs' mesh, so a fresh array made off it (a probe, a
+    classifier head, an optimizer state) fed back in beside them compiled the function twice, once per layout
+    (seconds of every first call on CPU: fine-tuning's epoch, the trace estimators' products)."""
+    mesh = mesh_of(params)
+    if mesh is None:
+        return tree
+    on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
+    return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated(mesh)), tree)

@@ -108,3 +108,22 @@ def test_batches_give_the_hessian_of_the_mean_loss():
         assert got.mean == pytest.approx(want.mean, rel=1e-9) and got.stderr == pytest.approx(want.stderr, rel=1e-7)
         with pytest.raises(ValueError, match="batches go with loss_fn"):
             te.hutchinson(None, params, jax.random.key(1), 4, matvec=mv, batches=batches)
+
+
+def test_products_over_params_on_a_mesh_compile_once():
+    """Restored parameters live on the run's mesh and so do the products over them; a fresh probe stack off it must
+    join it first, or the product program compiles twice (once per layout) before its output is fed back."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    params = jax.device_put({"w": jnp.arange(1.0, 8.0)}, NamedSharding(mesh, PartitionSpec()))  # n = 7: its own shape
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 3) / 6.0  # Hessian diag(w)
+
+    matmat, n, _ = te.operator(loss, params, chunk_size=3)
+    mm = te._matmat(loss, True, jax.tree.structure(params), ((jnp.dtype(jnp.float32), (7,)),), 3)
+    before = mm._cache_size()
+    Y = matmat(jnp.eye(n)[:3])  # a fresh stack, off the mesh
+    np.testing.assert_allclose(matmat(Y), np.eye(n)[:3] * np.arange(1.0, 8.0) ** 2, rtol=1e-6)  # fed back: H^2
+    assert mm._cache_size() == before + 1

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from flatlm.errors import UserError
 from flatlm.evaluate.features import ApplyFn
 from flatlm.evaluate.heads import chunks, epoch_indices, infer_num_classes, masked_ce, summarize, warmup_linear_decay
 from flatlm.languages.base import special_ids
+from flatlm.sharding import replicate_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,17 +180,6 @@ def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, lr, *, ap
     return params, opt, jnp.mean(loss_X)
 
 
-def _on_mesh_of(params, tree):
-    """`tree` with its leaves that are not on a mesh replicated over the mesh `params` live on (restored checkpoints
-    are): the epoch function's outputs carry that mesh, so a fresh head and optimizer state off it made the first
-    epoch compile once more (~2 s of every fine-tuning process on CPU)."""
-    on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
-    mesh = next((x.sharding.mesh for x in jax.tree.leaves(params) if on_mesh(x)), None)
-    if mesh is None:
-        return tree
-    return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, NamedSharding(mesh, PartitionSpec())), tree)
-
-
 @functools.partial(jax.jit, static_argnames=("apply_fn",))
 def _correct_chunk(apply_fn: ApplyFn, params, tokens_BT, y_B, valid):
     """Correct predictions among the first `valid` rows of a chunk (dropout off)."""
@@ -258,7 +247,7 @@ def finetune(
                     "b": jnp.zeros((num_classes,), jnp.float32)}
             # a private copy of the encoder: the epoch function donates its buffers
             p = {"encoder": jax.tree.map(jnp.array, params), "head": head}
-            p, opt = _on_mesh_of(params, (p, tx.init(p)))
+            p, opt = replicate_like(params, (p, tx.init(p)))  # on the encoder's mesh: the epoch compiles once
             loss = jnp.nan
             bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}{tag}", disable=not progress, leave=False)
             for epoch in bar:

@@ -20,7 +20,7 @@ import numpy as np
 from flatlm.flatness import spectrum, trace_estimators
 from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
-from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp
+from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_of_trees
 from flatlm.models.losses import mlm_loss
 
 METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
@@ -48,20 +48,13 @@ def _hvp_batch(apply_fn: ApplyFn):
     return jax.jit(lambda p, v, b: hvp(lambda q: loss(q, b), p, v))
 
 
-@jax.jit
-def _mean_of_trees(trees: list):
-    """The leafwise mean of a list of pytrees of one structure, one dispatch (eager, it compiled an add and a divide
-    per leaf shape on first use: ~2 s of a small model's first Lanczos run on CPU)."""
-    return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
-
-
 def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
     """v -> H v, H the Hessian of the MLM loss averaged over `batches` (one HVP = one pass over them)."""
     hv = _hvp_batch(apply_fn)
 
     def matvec(v):
         out = [hv(params, v, b) for b in batches]
-        return out[0] if len(out) == 1 else _mean_of_trees(out)
+        return out[0] if len(out) == 1 else mean_of_trees(out)
 
     return matvec
 

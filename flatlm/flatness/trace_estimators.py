@@ -43,6 +43,7 @@ import numpy as np
 
 from flatlm.flatness.estimates import TraceEstimate, hashable
 from flatlm.flatness.hessian import hvp
+from flatlm.sharding import replicate_like
 
 Params = Any
 MatVec = Callable[[Params], Params]
@@ -90,6 +91,7 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
     bs = [None] if batches is None else [batches] if isinstance(batches, dict) else list(batches)
 
     def matmat(X_MN):
+        X_MN = replicate_like(params, X_MN)  # a fresh stack on the params' mesh, as the products are: one compile
         out = mm(params, X_MN, bs[0])
         for b in bs[1:]:
             out = out + mm(params, X_MN, b)
