@@ -1,0 +1,73 @@
+"""Where a `flatlm` command's first call spends its compile time: every XLA compile of one in-process run, grouped
+by jitted function (count, seconds), with the command's wall time. A function compiled more often than its shapes
+explain is the sign of a layout or cache-key change between calls (e.g. a fresh array off the mesh that restored
+parameters live on; `flatlm.sharding.replicate_like`), and many small compiles (add, multiply, ...) are eager tree
+maps outside a jit. The persistent compilation cache is off, so every compile counts.
+
+    python benchmarks/compiles.py [--explain] -- flatness --workdir RUN --preconditioned ...
+
+--explain also prints JAX's reason for each tracing-cache miss. Not part of `make bench` (no goal attached)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import sys
+import time
+
+import jax
+
+
+class _Compiles(logging.Handler):
+    """Collects JAX's "Finished XLA compilation of jit(NAME) in T sec" records; prints cache-miss explanations."""
+
+    def __init__(self, explain: bool):
+        super().__init__()
+        self.count, self.seconds, self.explain = collections.Counter(), collections.Counter(), explain
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Finished XLA compilation of"):
+            words = message.split()
+            self.count[words[4]] += 1
+            self.seconds[words[4]] += float(words[6])
+        elif self.explain and "TRACING CACHE MISS" in message:
+            print(message, file=sys.stderr)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--explain", action="store_true", help="print JAX's reason for every tracing-cache miss")
+    parser.add_argument("--top", type=int, default=20, help="functions listed, by compile seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the flatlm command line")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    os.environ["FLATLM_COMPILATION_CACHE"] = "off"
+    jax.config.update("jax_log_compiles", True)
+    jax.config.update("jax_explain_cache_misses", args.explain)
+    handler = _Compiles(args.explain)
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # jax_log_compiles logs every compile at WARNING: keep them off the terminal
+
+    from flatlm.cli.main import main as flatlm_main
+
+    start = time.perf_counter()
+    try:
+        flatlm_main(command)
+    except SystemExit as exit_:
+        if exit_.code:
+            raise
+    wall = time.perf_counter() - start
+    total = sum(handler.seconds.values())
+    print(f"\n{' '.join(command)}\nwall {wall:.2f} s, {sum(handler.count.values())} compiles, {total:.2f} s compiling")
+    print(f"{'count':>5} {'seconds':>8}  function")
+    for name, seconds in handler.seconds.most_common(args.top):
+        print(f"{handler.count[name]:5d} {seconds:8.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
