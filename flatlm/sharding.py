@@ -159,9 +159,10 @@ def replicate_like(params, tree):
     """`tree` with each leaf that is not on a mesh replicated over the mesh of `params` (`tree` itself when `params`
     are on none). A jitted function's outputs carry its inputs' mesh, so a fresh array made off it (a probe, a
     classifier head, an optimizer state) fed back in beside them compiled the function twice, once per layout
-    (seconds of every first call on CPU: fine-tuning's epoch, the trace estimators' products)."""
+    (seconds of every first call on CPU: fine-tuning's epoch, the trace estimators' products). A mesh spanning
+    several processes is left alone (placing host data there assumes every process holds the same values)."""
     mesh = mesh_of(params)
-    if mesh is None:
+    if mesh is None or mesh.is_multi_process:
         return tree
     on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
     return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated(mesh)), tree)
