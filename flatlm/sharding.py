@@ -147,12 +147,13 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
 
 
+def _on_mesh(x) -> bool:
+    return isinstance(getattr(x, "sharding", None), NamedSharding)
+
+
 def mesh_of(tree) -> Mesh | None:
     """The mesh the first mesh-placed leaf of `tree` lives on (restored checkpoints' parameters do), or None."""
-    for x in jax.tree.leaves(tree):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x.sharding.mesh
-    return None
+    return next((x.sharding.mesh for x in jax.tree.leaves(tree) if _on_mesh(x)), None)
 
 
 def replicate_like(params, tree):
@@ -164,5 +165,4 @@ def replicate_like(params, tree):
     mesh = mesh_of(params)
     if mesh is None or mesh.is_multi_process:
         return tree
-    on_mesh = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding)  # noqa: E731
-    return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated(mesh)), tree)
+    return jax.tree.map(lambda x: x if _on_mesh(x) else jax.device_put(x, replicated(mesh)), tree)
