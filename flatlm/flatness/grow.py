@@ -42,6 +42,7 @@ Depth +n layers (the blocks and the LayerNorm move are `flatlm.models.stacking`'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -149,11 +150,27 @@ def embed(
     big_config must have the same num_words, ln_mode, GELU and ln_eps; integer multiples of d_model, heads,
     head_dim and d_ff; at least as many layers (new blocks are appended after the small model's) and positions
     (extra position rows are zero). New blocks' input-side weights (qkv, mlp.wi) are zero, or N(0, init_scale^2)
-    when `key` is given; their outputs are zero either way.
+    when `key` is given; their outputs are zero either way. The small model's part is one jitted program (eager,
+    its ~100 tiles and divides compiled one by one: seconds of `flatlm grow` on CPU); new blocks are drawn as
+    before, outside it, so a seed keeps giving the same bits (jitted, the scaled normals moved by 1 ulp).
     """
-    k, m, r, kf = _check(small_config, big_config)
+    k, m, r, kf = _check(small_config, big_config)  # its one-line errors before anything is traced
     dt = jnp.dtype(big_config.param_dtype)
-    p = small_params
+    out = _widen(small_params, small_config=small_config, big_config=big_config)
+    L = small_config.num_layers
+    for i in range(L, big_config.num_layers):
+        lk = None if key is None else jax.random.fold_in(key, i)
+        out[f"layer_{i}"] = stacking.zero_residual_layer(big_config, lk, dt, init_scale)
+    if small_config.ln_mode == "post" and big_config.num_layers > L:
+        # Move the preceding LayerNorm's affine to the last new block; all inserted LayerNorms are then (1, 0).
+        out = stacking.move_post_ln_affine(out, L, big_config.num_layers, stacking.identity_ln(big_config.d_model, dt))
+    return jax.tree.map(lambda x: jnp.asarray(x, dt), out)
+
+
+@functools.partial(jax.jit, static_argnames=("small_config", "big_config"))
+def _widen(p: Mapping[str, Any], *, small_config: BertConfig, big_config: BertConfig) -> dict:
+    """The small model's embeddings, head, final LayerNorm and layers widened to `big_config`'s width."""
+    k, m, r, kf = _check(small_config, big_config)
     pos = jnp.tile(p["pos_embed"], (1, k))
     out: dict[str, Any] = {
         "tok_embed": jnp.tile(p["tok_embed"], (1, k)),
@@ -165,27 +182,25 @@ def embed(
     }
     ln_name = "final_ln" if small_config.ln_mode == "pre" else "embed_ln"
     out[ln_name] = _ln(p[ln_name], k)
-    L = small_config.num_layers
-    for i in range(L):
+    for i in range(small_config.num_layers):
         out[f"layer_{i}"] = _widen_layer(p[f"layer_{i}"], k, m, r, kf)
-    for i in range(L, big_config.num_layers):
-        lk = None if key is None else jax.random.fold_in(key, i)
-        out[f"layer_{i}"] = stacking.zero_residual_layer(big_config, lk, dt, init_scale)
-    if small_config.ln_mode == "post" and big_config.num_layers > L:
-        # Move the preceding LayerNorm's affine to the last new block; all inserted LayerNorms are then (1, 0).
-        out = stacking.move_post_ln_affine(out, L, big_config.num_layers, stacking.identity_ln(big_config.d_model, dt))
-    return jax.tree.map(lambda x: jnp.asarray(x, dt), out)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_and_loss(apply_fn, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    return apply_fn({"params": params}, batch["tokens"]), mlm_loss(params, batch, apply_fn)
 
 
 def check_embedding(small_apply, small_params, big_apply, big_params, batches) -> dict[str, float]:
     """Max |logit difference| and mean MLM loss (nats) of the small and grown models on MLM `batches`."""
     diff, ls, lb = 0.0, [], []
     for b in batches:
-        a = small_apply({"params": small_params}, b["tokens"])
-        c = big_apply({"params": big_params}, b["tokens"])
+        a, loss_a = _logits_and_loss(small_apply, small_params, b)
+        c, loss_c = _logits_and_loss(big_apply, big_params, b)
         diff = max(diff, float(np.max(np.abs(np.asarray(a) - np.asarray(c)))))
-        ls.append(float(mlm_loss(small_params, b, small_apply)))
-        lb.append(float(mlm_loss(big_params, b, big_apply)))
+        ls.append(float(loss_a))
+        lb.append(float(loss_c))
     return {"max_abs_logit_diff": diff, "loss_small": float(np.mean(ls)), "loss_big": float(np.mean(lb))}
 
 
