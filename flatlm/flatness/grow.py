@@ -154,7 +154,7 @@ def embed(
     its ~100 tiles and divides compiled one by one: seconds of `flatlm grow` on CPU); new blocks are drawn as
     before, outside it, so a seed keeps giving the same bits (jitted, the scaled normals moved by 1 ulp).
     """
-    k, m, r, kf = _check(small_config, big_config)  # its one-line errors before anything is traced
+    _check(small_config, big_config)  # its one-line errors before anything is traced
     dt = jnp.dtype(big_config.param_dtype)
     out = _widen(small_params, small_config=small_config, big_config=big_config)
     L = small_config.num_layers
