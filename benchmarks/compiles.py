@@ -57,16 +57,18 @@ def main(argv: list[str]) -> None:
 
     start = time.perf_counter()
     try:
-        flatlm_main(command)
+        code = flatlm_main(command)
     except SystemExit as exit_:
-        if exit_.code:
-            raise
+        code = exit_.code
     wall = time.perf_counter() - start
     total = sum(handler.seconds.values())
     print(f"\n{' '.join(command)}\nwall {wall:.2f} s, {sum(handler.count.values())} compiles, {total:.2f} s compiling")
     print(f"{'count':>5} {'seconds':>8}  function")
     for name, seconds in handler.seconds.most_common(args.top):
         print(f"{handler.count[name]:5d} {seconds:8.2f}  {name}")
+    if code:
+        print(f"(the command failed with exit code {code}: a profile of a failed run)")
+        sys.exit(code)
 
 
 if __name__ == "__main__":
