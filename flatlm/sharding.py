@@ -156,6 +156,24 @@ def mesh_of(tree) -> Mesh | None:
     return next((x.sharding.mesh for x in jax.tree.leaves(tree) if _on_mesh(x)), None)
 
 
+def layout(tree) -> tuple | None:
+    """The shardings of `tree`'s leaves as a hashable static argument of a jitted function ((treedef, shardings)),
+    or None when a leaf is off a mesh; `keep_layout` applies it."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves or not all(_on_mesh(x) for x in leaves):
+        return None
+    return treedef, tuple(x.sharding for x in leaves)
+
+
+def keep_layout(tree, layout_: tuple | None):
+    """`tree` constrained, inside a jit, to `layout_` (from `layout`; None: unchanged). A function fed back its own
+    outputs (an epoch over a carried state) then gets the layout it was compiled for: on a multi-device mesh XLA's
+    propagation may pick another for unconstrained outputs, and the second call compiles again."""
+    if layout_ is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, jax.tree.unflatten(*layout_))
+
+
 def replicate_like(params, tree):
     """`tree` with each leaf that is not on a mesh replicated over the mesh of `params` (`tree` itself when `params`
     are on none). A jitted function's outputs carry its inputs' mesh, so a fresh array made off it (a probe, a

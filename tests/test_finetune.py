@@ -132,3 +132,37 @@ def test_an_encoder_on_a_mesh_compiles_the_epoch_once():
     before = ft._finetune_epoch._cache_size()
     ft.finetune(model.apply, params, {"train": tok}, {"train": y}, cfg, num_words=V, max_len=T + 1, progress=False)
     assert ft._finetune_epoch._cache_size() == before + 1
+
+
+@pytest.mark.slow  # ~15 s: a fresh interpreter with 2 simulated devices (compile time only; the 1-device case is fast)
+def test_an_encoder_sharded_over_two_devices_compiles_the_epoch_once_and_tunes_as_on_one():
+    """FSDP-like placement (leaves split over the data axis where it divides them) on 2 simulated devices: XLA's
+    propagation gave the epoch's unconstrained outputs other shardings than its inputs (the embeddings, attention
+    and head), so the second epoch compiled again; the state layout is now kept. Same final loss as off the mesh."""
+    from conftest import run_python
+
+    proc = run_python(f"""
+        import json, numpy as np, jax, jax.numpy as jnp, flax.linen as nn
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from flatlm.evaluate import finetune as ft
+        from flatlm.models import Bert, BertConfig
+        V, T = {V}, {T}
+        model = Bert(BertConfig(num_words=V, max_len=T + 1, d_model=16, num_layers=1, num_heads=2))
+        params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((2, T + 1), jnp.int32))["params"])
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("data", "model"))
+        split = lambda x: NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 2 == 0 else P())
+        rng = np.random.default_rng(0)
+        tok = rng.integers(0, V, (64, T))
+        y = tok[:, 2] % 3
+        cfg = ft.FinetuneConfig(epochs=3, batch_size=32, warmup_steps=1, num_seeds=1)
+        out = {{}}
+        for name, p in (("single", params), ("sharded", jax.tree.map(lambda x: jax.device_put(x, split(x)), params))):
+            before = ft._finetune_epoch._cache_size()
+            r = ft.finetune(model.apply, p, {{"train": tok}}, {{"train": y}}, cfg, num_words=V, max_len=T + 1,
+                            progress=False)
+            out[name] = dict(compiles=ft._finetune_epoch._cache_size() - before, loss=r["final_loss"]["mean"])
+        print("RESULT" + json.dumps(out))
+    """, devices=2)
+    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT"):])
+    assert out["sharded"]["compiles"] == 1, out
+    assert out["sharded"]["loss"] == pytest.approx(out["single"]["loss"], rel=1e-5), out

@@ -38,7 +38,7 @@ from flatlm.errors import UserError
 from flatlm.evaluate.features import ApplyFn
 from flatlm.evaluate.heads import chunks, epoch_indices, infer_num_classes, masked_ce, summarize, warmup_linear_decay
 from flatlm.languages.base import special_ids
-from flatlm.sharding import replicate_like
+from flatlm.sharding import keep_layout, layout, replicate_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +156,12 @@ def _loss(params, apply_fn: ApplyFn, tokens_BT, y_B, w_B, key, dropout: float):
     return masked_ce(_logits(apply_fn, params, tokens_BT, key, True, dropout), y_B, w_B)
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "config", "frozen"), donate_argnums=(0, 1))
-def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, lr, *, apply_fn, config, frozen):
-    """One epoch: a lax.scan over minibatches. Module-level, so seeds, rates and checkpoints share one compile."""
+@functools.partial(jax.jit, static_argnames=("apply_fn", "config", "frozen", "state_layout"), donate_argnums=(0, 1))
+def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, lr, *, apply_fn, config, frozen,
+                    state_layout=None):
+    """One epoch: a lax.scan over minibatches. Module-level, so seeds, rates and checkpoints share one compile;
+    `state_layout` (`flatlm.sharding.layout` of (params, opt)) keeps the outputs on their inputs' shardings, so the
+    next epoch reuses the program."""
     c = config
     n = x_NT.shape[0]
     bs = min(c.batch_size, n)
@@ -177,6 +180,7 @@ def _finetune_epoch(params, opt, x_NT, y_N, perm_key, drop_key, epoch, lr, *, ap
         return (optax.apply_updates(params, updates), opt), loss
 
     (params, opt), loss_X = jax.lax.scan(body, (params, opt), (idx_XB, w_XB, jnp.arange(steps)))
+    params, opt = keep_layout((params, opt), state_layout)
     return params, opt, jnp.mean(loss_X)
 
 
@@ -248,11 +252,12 @@ def finetune(
             # a private copy of the encoder: the epoch function donates its buffers
             p = {"encoder": jax.tree.map(jnp.array, params), "head": head}
             p, opt = replicate_like(params, (p, tx.init(p)))  # on the encoder's mesh: the epoch compiles once
-            loss = jnp.nan
+            loss, state_layout = jnp.nan, layout((p, opt))
             bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}{tag}", disable=not progress, leave=False)
             for epoch in bar:
                 p, opt, loss = _finetune_epoch(p, opt, x_NT, y_N, perm_key, drop_key, epoch, jnp.float32(lr),
-                                               apply_fn=apply_fn, config=epoch_cfg, frozen=frozen)
+                                               apply_fn=apply_fn, config=epoch_cfg, frozen=frozen,
+                                               state_layout=state_layout)
                 if progress:
                     bar.set_postfix(loss=f"{float(loss):.4f}")
             final_loss.append(float(loss))
