@@ -133,6 +133,7 @@ class Engine:
         self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
+        self._batches: dict = {}  # (kind, chart size, dtype) -> the batch sizes `run` has padded its chunks to
 
     def plan(self, T: int) -> Plan:
         """The static plan of a chart of T words in the current default dtype."""
@@ -193,11 +194,14 @@ class Engine:
         return results
 
     def _compiled_batch(self, kind: str, T: int, B: int, batch_size: int) -> int:
-        """B, or the smallest batch in [B, batch_size] the kernel is already compiled for at chart size T: a
-        chart compiles in seconds on CPU, a padded row costs ~70 us (released grammar) to ~5 ms (dense, 32 words).
-        A sentence's conditionals do not depend on the batch it is in (bitwise in tests/test_pcfg.py)."""
-        compiled = [key[-1][0][0] for key in self.fn(kind, T).executables]  # the last argument is lengths [B]
-        return min([b for b in compiled if B <= b <= batch_size], default=B)
+        """B, or the smallest batch in [B, batch_size] that `run` already used (hence compiled) at chart size T,
+        which is then recorded: a chart compiles in seconds on CPU, a padded row costs ~70 us (released grammar) to
+        ~5 ms (dense, 32 words). A sentence's conditionals do not depend on the batch it is in (bitwise in
+        tests/test_pcfg.py)."""
+        used = self._batches.setdefault((kind, T, self.plan(T).dtype.name), set())
+        B = min([b for b in used if B <= b <= batch_size], default=B)
+        used.add(B)
+        return B
 
     def length_distribution(self, L: int) -> np.ndarray:
         """float[L+1]: P(length = l) for l = 0..L, by one inside pass over all-ones leaves (emit.sum(1))."""
