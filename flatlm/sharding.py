@@ -156,6 +156,23 @@ def mesh_of(tree) -> Mesh | None:
     return next((x.sharding.mesh for x in jax.tree.leaves(tree) if _on_mesh(x)), None)
 
 
+def stack_like(params, stack):
+    """`stack` (each leaf [K, *shape of the params leaf]: probes, products) placed as `params` is, its leading K axis
+    unsharded: on an FSDP / tensor-parallel mesh each device holds its part of every stacked copy, not all of them
+    (`replicate_like` would); a stack already there stays (no copy), one elsewhere (a jitted output XLA laid out
+    another way) moves there, so a function fed such stacks compiles once. Off a mesh, or on a mesh spanning
+    several processes (see `replicate_like`), `stack` itself."""
+    mesh = mesh_of(params)
+    if mesh is None or mesh.is_multi_process:
+        return stack
+
+    def place(p, x):
+        want = NamedSharding(mesh, PartitionSpec(None, *p.sharding.spec)) if _on_mesh(p) else replicated(mesh)
+        return x if getattr(x, "sharding", None) == want else jax.device_put(x, want)
+
+    return jax.tree.map(place, params, stack)
+
+
 def layout(tree) -> tuple | None:
     """The shardings of `tree`'s leaves as a hashable static argument of a jitted function ((treedef, shardings)),
     or None when a leaf is off a mesh; `keep_layout` applies it."""

@@ -318,3 +318,44 @@ def test_measure_xtrace_on_bert(bert_case):
         est = compare.measure("xtrace", model.apply, params, [mlm_batch(0)], jax.random.key(3), num_probes=200)
     assert est.method == "xtrace_sphere" and est.num_samples == 200
     assert abs(est.mean - np.trace(H)) < 4 * est.stderr, (est.mean, np.trace(H), est.stderr)
+
+
+@pytest.mark.slow  # ~15 s: a fresh interpreter with 2 simulated devices (compile counts only; values as off the mesh)
+def test_hutchpp_over_params_sharded_on_two_devices_compiles_each_program_once():
+    """FSDP-like placement on 2 devices: Hutch++'s products met probe stacks in two layouts (fresh ones, and the
+    orthonormal basis XLA laid out its own way), so the product program compiled twice; stacks are now placed as the
+    params are (leading axis unsharded). Same estimate as off the mesh."""
+    from conftest import run_python
+
+    proc = run_python("""
+        import json, logging, collections, numpy as np, jax, jax.numpy as jnp, flax.linen as nn
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from flatlm.data.masking import mask_batch
+        from flatlm.flatness.compare import measure
+        from flatlm.models import Bert, BertConfig
+        compiled = collections.Counter()
+        class Log(logging.Handler):
+            def emit(self, r):
+                m = r.getMessage()
+                if m.startswith("Finished XLA compilation of"):
+                    compiled[m.split()[4]] += 1
+        jax.config.update("jax_log_compiles", True)
+        logging.getLogger("jax").addHandler(Log())
+        model = Bert(BertConfig(num_words=10, max_len=6, d_model=16, num_layers=1, num_heads=2, dropout=0.0,
+                                attention_dropout=0.0))
+        params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((2, 6), jnp.int32))["params"])
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("data", "model"))
+        split = lambda x: NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 2 == 0 else P())
+        rng = np.random.default_rng(0)
+        batches = [mask_batch(rng.integers(0, 10, (8, 6)), np.full(8, 6), 10, rng) for _ in range(2)]
+        out = {}
+        for name, p in (("single", params), ("sharded", jax.tree.map(lambda x: jax.device_put(x, split(x)), params))):
+            compiled.clear()
+            est = measure("hutchpp", model.apply, p, batches, jax.random.key(1), num_probes=12, chunk_size=2)
+            out[name] = dict(mean=est.mean, compiles=dict(compiled))
+        print("RESULT" + json.dumps(out))
+    """, devices=2)
+    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT"):])
+    sharded = out["sharded"]["compiles"]
+    assert sharded["jit(apply_batch)"] == 1 and sharded["jit(per_sample_dots)"] == 1, sharded
+    assert out["sharded"]["mean"] == pytest.approx(out["single"]["mean"], rel=1e-5), out

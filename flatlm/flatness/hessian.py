@@ -40,7 +40,7 @@ from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.f
     fisher_trace,
     fisher_vp,
 )
-from flatlm.sharding import replicate_like
+from flatlm.sharding import stack_like
 
 Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
 LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
@@ -338,18 +338,23 @@ def hutchpp_trace(
         return jax.lax.map(f, vs, batch_size=chunk)
 
     def apply(vs):
-        vs = replicate_like(params, vs)  # fresh probes on the params' mesh, as the products are: one compile
+        vs = stack_like(params, vs)  # deflate's output too
         return mean_of_trees([apply_batch(params, vs, b) for b in bs])
 
     probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
-    S, Gp = probes(jax.random.fold_in(key, 0)), probes(jax.random.fold_in(key, 1))
-    Q = jax.jit(_orthonormalize)(apply(S))
+    # every stack placed as the params are: the products and the per-sample dots each compile once
+    S, Gp = (stack_like(params, probes(jax.random.fold_in(key, i))) for i in (0, 1))
+    Q = stack_like(params, jax.jit(_orthonormalize)(apply(S)))
 
     @jax.jit
     def deflate(q, g):
         return jax.tree.map(jnp.subtract, g, _tree_combine(_tree_gram(q, g), q))
 
     AQ, AG = apply(Q), apply(deflate(Q, Gp))  # same stack shape as S: one compilation
-    per_sample = jax.jit(jax.vmap(lambda a, b: group_dots(a, b, ids, G)))
-    low = np.asarray(per_sample(Q, AQ)).sum(axis=0)
-    return summarize([np.asarray(per_sample(Gp, AG))], names, method="hutchpp", offset_per_group=low)
+
+    @jax.jit
+    def per_sample_dots(a, b):
+        return jax.vmap(lambda x, y: group_dots(x, y, ids, G))(a, b)
+
+    low = np.asarray(per_sample_dots(Q, AQ)).sum(axis=0)
+    return summarize([np.asarray(per_sample_dots(Gp, AG))], names, method="hutchpp", offset_per_group=low)
