@@ -156,21 +156,22 @@ def mesh_of(tree) -> Mesh | None:
     return next((x.sharding.mesh for x in jax.tree.leaves(tree) if _on_mesh(x)), None)
 
 
-def stack_like(params, stack):
-    """`stack` (each leaf [K, *shape of the params leaf]: probes, products) placed as `params` is, its leading K axis
-    unsharded: on an FSDP / tensor-parallel mesh each device holds its part of every stacked copy, not all of them
-    (`replicate_like` would); a stack already there stays (no copy), one elsewhere (a jitted output XLA laid out
-    another way) moves there, so a function fed such stacks compiles once. Off a mesh, or on a mesh spanning
-    several processes (see `replicate_like`), `stack` itself."""
+def place_like(params, tree, stacked: bool = False):
+    """`tree` (shaped like `params`; with `stacked`, each leaf [K, *shape of the params leaf]: probe stacks) placed as
+    `params` is, a stacked leading axis unsharded: on an FSDP / tensor-parallel mesh each device holds its part of
+    every copy, not all of it (`replicate_like` would). A leaf already there stays (no copy), one elsewhere (a jitted
+    output XLA laid out its own way) moves there, so a function fed such trees compiles once. Off a mesh, or on a
+    mesh spanning several processes (see `replicate_like`), `tree` itself."""
     mesh = mesh_of(params)
     if mesh is None or mesh.is_multi_process:
-        return stack
+        return tree
+    lead = (None,) if stacked else ()
 
     def place(p, x):
-        want = NamedSharding(mesh, PartitionSpec(None, *p.sharding.spec)) if _on_mesh(p) else replicated(mesh)
+        want = NamedSharding(mesh, PartitionSpec(*lead, *p.sharding.spec)) if _on_mesh(p) else replicated(mesh)
         return x if getattr(x, "sharding", None) == want else jax.device_put(x, want)
 
-    return jax.tree.map(place, params, stack)
+    return jax.tree.map(place, params, tree)
 
 
 def layout(tree) -> tuple | None:

@@ -321,17 +321,20 @@ def test_measure_xtrace_on_bert(bert_case):
 
 
 @pytest.mark.slow  # ~15 s: a fresh interpreter with 2 simulated devices (compile counts only; values as off the mesh)
-def test_hutchpp_over_params_sharded_on_two_devices_compiles_each_program_once():
-    """FSDP-like placement on 2 devices: Hutch++'s products met probe stacks in two layouts (fresh ones, and the
+def test_curvature_over_params_sharded_on_two_devices_compiles_each_program_once():
+    """FSDP-like placement on 2 devices. Hutch++'s products met probe stacks in two layouts (fresh ones, and the
     orthonormal basis XLA laid out its own way), so the product program compiled twice; stacks are now placed as the
-    params are (leading axis unsharded). Same estimate as off the mesh."""
+    params are (leading axis unsharded). Lanczos (top eigenvalues, preconditioned sharpness) compiled its step, the
+    HVP and the preconditioner's product twice (a start vector, zeros or a product laid out unlike the next ones).
+    Same values as off the mesh."""
     from conftest import run_python
 
     proc = run_python("""
         import json, logging, collections, numpy as np, jax, jax.numpy as jnp, flax.linen as nn
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         from flatlm.data.masking import mask_batch
-        from flatlm.flatness.compare import measure
+        from flatlm.flatness import spectrum
+        from flatlm.flatness.compare import hessian_matvec, measure
         from flatlm.models import Bert, BertConfig
         compiled = collections.Counter()
         class Log(logging.Handler):
@@ -348,14 +351,26 @@ def test_hutchpp_over_params_sharded_on_two_devices_compiles_each_program_once()
         split = lambda x: NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 2 == 0 else P())
         rng = np.random.default_rng(0)
         batches = [mask_batch(rng.integers(0, 10, (8, 6)), np.full(8, 6), 10, rng) for _ in range(2)]
+        nu = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), params)  # a stand-in for Adam's nu
         out = {}
         for name, p in (("single", params), ("sharded", jax.tree.map(lambda x: jax.device_put(x, split(x)), params))):
             compiled.clear()
             est = measure("hutchpp", model.apply, p, batches, jax.random.key(1), num_probes=12, chunk_size=2)
-            out[name] = dict(mean=est.mean, compiles=dict(compiled))
+            out[name] = dict(mean=est.mean, hutchpp=dict(compiled))
+            compiled.clear()
+            mv = hessian_matvec(model.apply, p, batches)
+            top = spectrum.top_eigenvalues(None, p, jax.random.key(2), k=2, num_iters=6, matvec=mv)
+            pre = spectrum.preconditioned_sharpness(None, p, jax.tree.map(lambda x, s: jax.device_put(x, s.sharding),
+                                                                          nu, p), jax.random.key(3), num_iters=6,
+                                                    matvec=mv)
+            out[name].update(top=float(top.values[0]), pre=float(pre.values[0]), lanczos=dict(compiled))
         print("RESULT" + json.dumps(out))
     """, devices=2)
     out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT"):])
-    sharded = out["sharded"]["compiles"]
-    assert sharded["jit(apply_batch)"] == 1 and sharded["jit(per_sample_dots)"] == 1, sharded
-    assert out["sharded"]["mean"] == pytest.approx(out["single"]["mean"], rel=1e-5), out
+    hutchpp, lanczos = out["sharded"]["hutchpp"], out["sharded"]["lanczos"]
+    assert hutchpp["jit(apply_batch)"] == 1 and hutchpp["jit(per_sample_dots)"] == 1, hutchpp
+    # one Lanczos step program (both runs keep a basis of 6 rows), one HVP, one leafwise product
+    assert lanczos["jit(_lanczos_step)"] == 1 and lanczos["jit(mlm_hvp)"] == 1, lanczos
+    assert lanczos["jit(_multiply_trees)"] == 1, lanczos
+    for key in ("mean", "top", "pre"):
+        assert out["sharded"][key] == pytest.approx(out["single"][key], rel=1e-4), out

@@ -22,6 +22,7 @@ from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
 from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_of_trees
 from flatlm.models.losses import mlm_loss
+from flatlm.sharding import place_like
 
 METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
 
@@ -45,7 +46,12 @@ def _fisher_matvec(apply_fn: ApplyFn):
 def _hvp_batch(apply_fn: ApplyFn):
     """Jitted (params, v, batch) -> H_batch v for the MLM loss (forward-over-reverse; nothing kept between calls)."""
     loss = _mlm_loss_fn(apply_fn)
-    return jax.jit(lambda p, v, b: hvp(lambda q: loss(q, b), p, v))
+
+    @jax.jit
+    def mlm_hvp(p, v, b):
+        return hvp(lambda q: loss(q, b), p, v)
+
+    return mlm_hvp
 
 
 def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
@@ -53,6 +59,7 @@ def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
     hv = _hvp_batch(apply_fn)
 
     def matvec(v):
+        v = place_like(params, v)  # as the params are, whichever program made it (Lanczos, a preconditioner)
         out = [hv(params, v, b) for b in batches]
         return out[0] if len(out) == 1 else mean_of_trees(out)
 

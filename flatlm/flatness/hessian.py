@@ -40,7 +40,7 @@ from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.f
     fisher_trace,
     fisher_vp,
 )
-from flatlm.sharding import stack_like
+from flatlm.sharding import place_like
 
 Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
 LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
@@ -324,7 +324,7 @@ def hutchpp_trace(
     orthonormal basis Q of A S, plus Hutchinson on the rest, samples g.A(I - QQ^T)g with fresh probes g; the
     standard error is that of the rest given Q. (Projecting only on the right keeps every per-group trace
     v_g.(Av)_g unbiased for Tr(A_gg), so the groups still sum to the total.) Makes 3 passes over `batches` (k
-    products each) and keeps about 4k stacked parameter copies.
+    products each) and keeps about 4k stacked parameter copies, placed as the params are (sharded with them).
     """
     k = max(1, num_matvecs // 3)
     names, ids = param_groups(params, groups)
@@ -338,13 +338,13 @@ def hutchpp_trace(
         return jax.lax.map(f, vs, batch_size=chunk)
 
     def apply(vs):
-        vs = stack_like(params, vs)  # deflate's output too
+        vs = place_like(params, vs, stacked=True)  # deflate's output too
         return mean_of_trees([apply_batch(params, vs, b) for b in bs])
 
     probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
     # every stack placed as the params are: the products and the per-sample dots each compile once
-    S, Gp = (stack_like(params, probes(jax.random.fold_in(key, i))) for i in (0, 1))
-    Q = stack_like(params, jax.jit(_orthonormalize)(apply(S)))
+    S, Gp = (place_like(params, probes(jax.random.fold_in(key, i)), stacked=True) for i in (0, 1))
+    Q = place_like(params, jax.jit(_orthonormalize)(apply(S)), stacked=True)
 
     @jax.jit
     def deflate(q, g):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.flatness.hessian import hvp_fn, probe_like
+from flatlm.sharding import keep_layout, layout, place_like
 
 Params = object
 MatVec = Callable[[Params], Params]
@@ -67,9 +68,11 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     ravel, unravel = _raveller(*_structure(v0))
     mv = lambda x: ravel(matvec(unravel(x)))
     v, v_prev, beta, B_MN = _lanczos_start(ravel(v0), num_iters)
+    v_prev = jax.device_put(v_prev, v.sharding)  # zeros XLA may lay out unlike v, which the next steps pass here
+    kept = layout((v, B_MN))  # every step's vector and basis where the first step's are: one compile of each program
     coefs = []
     for i in range(num_iters):
-        alpha, beta, v_next, B_MN = _lanczos_step(B_MN, v, v_prev, beta, mv(v), i)
+        alpha, beta, v_next, B_MN = _lanczos_step(B_MN, v, v_prev, beta, mv(v), i, kept=kept)
         coefs.append((alpha, beta))
         v_prev, v = v, v_next
     alphas, betas = np.asarray(jax.device_get(coefs), np.float64).T
@@ -85,17 +88,19 @@ def _lanczos_start(flat0_N, num_iters: int):
     return v_N, jnp.zeros_like(v_N), jnp.zeros((), v_N.dtype), jnp.zeros((num_iters, v_N.size), v_N.dtype)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _lanczos_step(B_MN, v_N, v_prev_N, beta_prev, w_N, i):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="kept")
+def _lanczos_step(B_MN, v_N, v_prev_N, beta_prev, w_N, i, kept=None):
     """The basis with v as row i (written in place: the basis is donated); alpha = w.v; w - alpha v - beta_prev
     v_prev reorthogonalised against the basis; beta = |w|; the next vector w / beta. One dispatch per step. (The
     row is written before the basis is read, not after: a write after the reorthogonalisation's conditional read
-    made XLA copy the whole basis every step.)"""
+    made XLA copy the whole basis every step.) `kept`: `flatlm.sharding.layout` of (v, basis) to keep them in (on
+    a multi-device mesh XLA laid the outputs out its own way: this step and the products compiled twice)."""
     B_MN = jax.lax.dynamic_update_index_in_dim(B_MN, v_N, i, 0)
     alpha = jnp.vdot(w_N, v_N)
     w_N = w_N - alpha * v_N - beta_prev * v_prev_N
     w_N, beta = _reorthogonalise(B_MN, w_N)
-    return alpha, beta, w_N / jnp.where(beta > 0, beta, 1.0), B_MN
+    v_next_N, B_MN = keep_layout((w_N / jnp.where(beta > 0, beta, 1.0), B_MN), kept)
+    return alpha, beta, v_next_N, B_MN
 
 
 def _structure(tree: Params) -> tuple:
@@ -255,7 +260,8 @@ def preconditioned_sharpness(loss_fn: Callable[[Params], jax.Array], params: Par
     inv_sqrt_p = _inverse_sqrt_preconditioner(second_moment, corr, eps)
     hv = matvec or jax.jit(hvp_fn(loss_fn, params))
 
-    def matvec(v):
-        return _multiply_trees(inv_sqrt_p, hv(_multiply_trees(inv_sqrt_p, v)))
+    def matvec(v):  # both products' inputs as the params are laid out: each program compiles once on any mesh
+        u = hv(_multiply_trees(inv_sqrt_p, place_like(params, v)))
+        return _multiply_trees(inv_sqrt_p, place_like(params, u))
 
     return top_eigenvalues(loss_fn, params, key, k=1, num_iters=num_iters, matvec=matvec)
