@@ -174,6 +174,17 @@ def place_like(params, tree, stacked: bool = False):
     return jax.tree.map(place, params, tree)
 
 
+def one_at_a_time(x):
+    """`x` (a jitted program's output), waited for when JAX runs several processes on the CPU backend, else as it
+    is (dispatch stays asynchronous). There, independent programs with cross-process collectives in flight at once
+    (the per-batch products of one matvec) can run in another order in each process and deadlock: the preconditioned
+    sharpness on 2 processes x 4 CPU devices hung in every run until its per-batch HVPs were waited for. A GPU or TPU
+    runs each device's programs in dispatch order, so nothing waits there."""
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return jax.block_until_ready(x)
+    return x
+
+
 def layout(tree) -> tuple | None:
     """The shardings of `tree`'s leaves as a hashable static argument of a jitted function ((treedef, shardings)),
     or None when a leaf is off a mesh; `keep_layout` applies it."""

@@ -367,3 +367,24 @@ def test_a_multihost_mesh_that_leaves_a_process_without_rows_is_one_line(tmp_pat
         assert p.stderr.strip().splitlines()[-1] == (
             "flatlm: error: a multi-host mesh must use all 8 devices with a data axis that is a multiple of the 2 "
             "processes, not 4x1; set --config.mesh.data / --config.mesh.model accordingly (e.g. mesh.data=-1)")
+
+
+@pytest.mark.slow
+def test_lanczos_curvature_of_an_fsdp_run_with_two_processes_finishes_like_one(tmp_path, data_dir):
+    """Two processes x 4 CPU devices, FSDP: the preconditioned sharpness (Lanczos over 2 batches' HVPs) hung in every
+    run: the two independent per-batch HVPs, both with cross-process collectives, ran in another order in each
+    process (`flatlm.sharding.one_at_a_time`). Now it finishes, with the values one process gets."""
+    wd = tmp_path / "fsdp"
+    _ok(run_processes("train", "--workdir", str(wd), "--config", TINY, "--quiet", *SHORT,
+                      f"--config.data.data_dir={data_dir}", *MESHES["fsdp"], logs=tmp_path))
+    verb = ["flatness", "--workdir", str(wd), "--steps", "20", "--spectrum-k", "2", "--preconditioned",
+            "--num-batches", "2", "--batch-size", "16", "--json", "--quiet"]
+    procs = run_processes(*verb, logs=tmp_path, timeout=240)
+    _ok(procs)
+    two = json.loads(procs[0].stdout)
+    proc = run_cli(*verb)
+    assert proc.returncode == 0, proc.stderr
+    one = json.loads(proc.stdout)
+    assert two["spectrum"][0]["top"]["values"] == pytest.approx(one["spectrum"][0]["top"]["values"], rel=1e-4)
+    pre2, pre1 = two["preconditioned_sharpness"][0], one["preconditioned_sharpness"][0]
+    assert pre2["value"] == pytest.approx(pre1["value"], rel=1e-4)

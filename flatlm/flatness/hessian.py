@@ -40,7 +40,7 @@ from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.f
     fisher_trace,
     fisher_vp,
 )
-from flatlm.sharding import place_like
+from flatlm.sharding import one_at_a_time, place_like
 
 Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
 LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
@@ -339,7 +339,7 @@ def hutchpp_trace(
 
     def apply(vs):
         vs = place_like(params, vs, stacked=True)  # deflate's output too
-        return mean_of_trees([apply_batch(params, vs, b) for b in bs])
+        return mean_of_trees([one_at_a_time(apply_batch(params, vs, b)) for b in bs])
 
     probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
     # every stack placed as the params are: the products and the per-sample dots each compile once

@@ -43,7 +43,7 @@ import numpy as np
 
 from flatlm.flatness.estimates import TraceEstimate, hashable
 from flatlm.flatness.hessian import hvp
-from flatlm.sharding import replicate_like
+from flatlm.sharding import one_at_a_time, replicate_like
 
 Params = Any
 MatVec = Callable[[Params], Params]
@@ -92,9 +92,9 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
 
     def matmat(X_MN):
         X_MN = replicate_like(params, X_MN)  # a fresh stack on the params' mesh, as the products are: one compile
-        out = mm(params, X_MN, bs[0])
+        out = one_at_a_time(mm(params, X_MN, bs[0]))
         for b in bs[1:]:
-            out = out + mm(params, X_MN, b)
+            out = out + one_at_a_time(mm(params, X_MN, b))
         return out / len(bs) if len(bs) > 1 else out
 
     return matmat, n, dtype
