@@ -20,9 +20,9 @@ import numpy as np
 from flatlm.flatness import spectrum, trace_estimators
 from flatlm.flatness.estimates import GroupFn, TraceEstimate
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
-from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_of_trees
+from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_over_batches
 from flatlm.models.losses import mlm_loss
-from flatlm.sharding import one_at_a_time, place_like
+from flatlm.sharding import place_like
 
 METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
 
@@ -60,8 +60,7 @@ def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
 
     def matvec(v):
         v = place_like(params, v)  # as the params are, whichever program made it (Lanczos, a preconditioner)
-        out = [one_at_a_time(hv(params, v, b)) for b in batches]
-        return out[0] if len(out) == 1 else mean_of_trees(out)
+        return mean_over_batches(lambda b: hv(params, v, b), batches)
 
     return matvec
 

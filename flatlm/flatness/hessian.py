@@ -306,6 +306,14 @@ def mean_of_trees(trees: list):
     return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
 
 
+def mean_over_batches(product: Callable, batches: Sequence):
+    """Mean over `batches` of `product(batch)` (a pytree or an array): one batch's product itself, else
+    `mean_of_trees`. Each product is waited for where several processes must run them in one order
+    (`flatlm.sharding.one_at_a_time`)."""
+    out = [one_at_a_time(product(b)) for b in batches]
+    return out[0] if len(out) == 1 else mean_of_trees(out)
+
+
 def hutchpp_trace(
     matvec: MatvecFn,
     params: Params,
@@ -339,7 +347,7 @@ def hutchpp_trace(
 
     def apply(vs):
         vs = place_like(params, vs, stacked=True)  # deflate's output too
-        return mean_of_trees([one_at_a_time(apply_batch(params, vs, b)) for b in bs])
+        return mean_over_batches(lambda b: apply_batch(params, vs, b), bs)
 
     probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
     # every stack placed as the params are: the products and the per-sample dots each compile once

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.flatness.estimates import TraceEstimate, hashable
-from flatlm.flatness.hessian import hvp
-from flatlm.sharding import one_at_a_time, replicate_like
+from flatlm.flatness.hessian import hvp, mean_over_batches
+from flatlm.sharding import replicate_like
 
 Params = Any
 MatVec = Callable[[Params], Params]
@@ -92,10 +92,7 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
 
     def matmat(X_MN):
         X_MN = replicate_like(params, X_MN)  # a fresh stack on the params' mesh, as the products are: one compile
-        out = one_at_a_time(mm(params, X_MN, bs[0]))
-        for b in bs[1:]:
-            out = out + one_at_a_time(mm(params, X_MN, b))
-        return out / len(bs) if len(bs) > 1 else out
+        return mean_over_batches(lambda b: mm(params, X_MN, b), bs)
 
     return matmat, n, dtype
 
