@@ -41,8 +41,8 @@ from _util import interleave, load_line
 
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
+from flatlm.flatness import flat, spectrum
 from flatlm.flatness import hessian as hs
-from flatlm.flatness import spectrum
 from flatlm.flatness import trace_estimators as te
 from flatlm.models import Bert, BertConfig
 from flatlm.models.losses import mlm_loss
@@ -75,8 +75,8 @@ def products(model, params, batch, rounds: int) -> dict:
     v = hs.probe_like(jax.random.key(1), params)
     hvp = jax.jit(lambda p, w: hs.hvp(loss, p, w))
     lin = jax.jit(hs.hvp_fn(loss, params))
-    mm, n, dtype = te.operator(loss, params, chunk_size=8)
-    X = jax.random.rademacher(jax.random.key(2), (32, n), dtype)
+    mm, sp = te.operator(loss, params, chunk_size=8)
+    n, X = sp.n, flat.draw(jax.random.key(2), sp, 32)
     cases = {"gradient": lambda: jax.block_until_ready(grad(params)),
              "hvp": lambda: jax.block_until_ready(hvp(params, v)),
              "hvp linearized": lambda: jax.block_until_ready(lin(v)),

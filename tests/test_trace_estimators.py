@@ -121,8 +121,8 @@ def test_products_over_params_on_a_mesh_compile_once():
     def loss(p):
         return jnp.sum(p["w"] ** 3) / 6.0  # Hessian diag(w)
 
-    matmat, n, _ = te.operator(loss, params, chunk_size=3)
-    mm = te._matmat(loss, True, jax.tree.structure(params), ((jnp.dtype(jnp.float32), (7,)),), 3)
+    matmat, sp = te.operator(loss, params, chunk_size=3)
+    n, mm = sp.n, te._matmat(loss, True, sp, 3)
     before = mm._cache_size()
     Y = matmat(jnp.eye(n)[:3])  # a fresh stack, off the mesh
     np.testing.assert_allclose(matmat(Y), np.eye(n)[:3] * np.arange(1.0, 8.0) ** 2, rtol=1e-6)  # fed back: H^2

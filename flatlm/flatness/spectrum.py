@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm.flatness import flat
 from flatlm.flatness.hessian import hvp_fn, probe_like
 from flatlm.sharding import keep_layout, layout, place_like
 
@@ -61,14 +62,15 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     Each step is the three-term recurrence w = Hv - alpha v - beta v_prev followed by full reorthogonalisation
     against the kept basis: one classical Gram-Schmidt pass, and a second only when the first removed more than
     1 - 1/sqrt(2) of w's norm (Daniel, Gragg, Kaufman & Stewart 1976; "twice is enough"), decided on the device.
-    Vectors are raveled to one array and the basis kept as a fixed [num_iters, n] stack (unused rows zero), so a
-    pass is two matrix products of one shape (compiled once). All steps are dispatched without a host round
+    Vectors are raveled to one array and the basis kept as a fixed [num_iters, N] stack (unused rows zero), so a
+    pass is two matrix products of one shape (compiled once); on a mesh both are split along N over every device
+    (`flatlm.flatness.flat`: each device holds 1/D of the basis). All steps are dispatched without a host round
     trip (on an accelerator a round trip per step would idle it between products) and (alpha, beta) read once at
     the end; an early breakdown (beta ~ 0) truncates them there: steps after it are wasted work, never a result."""
-    ravel, unravel = _raveller(*_structure(v0))
+    sp = flat.space(v0)
+    ravel, unravel = flat.ravellers(sp)
     mv = lambda x: ravel(matvec(unravel(x)))
-    v, v_prev, beta, B_MN = _lanczos_start(ravel(v0), num_iters)
-    v_prev = jax.device_put(v_prev, v.sharding)  # zeros XLA may lay out unlike v, which the next steps pass here
+    v, v_prev, beta, B_MN = _lanczos_start(ravel(v0), num_iters, sp)
     kept = layout((v, B_MN))  # every step's vector and basis where the first step's are: one compile of each program
     coefs = []
     for i in range(num_iters):
@@ -80,12 +82,13 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     return alphas[: stop + 1], betas[: stop + 1]
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _lanczos_start(flat0_N, num_iters: int):
-    """The unit start vector, a zero previous vector and beta, and the empty basis [num_iters, N], made on the
-    device where the start vector lives (as the steps' outputs are: one compile of `_lanczos_step`, not three)."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _lanczos_start(flat0_N, num_iters: int, sp: flat.Space):
+    """The unit start vector, a zero previous vector and beta, and the empty basis [num_iters, N], in the space's
+    layout (as the steps' outputs are: one compile of `_lanczos_step`, not three)."""
     v_N = flat0_N / jnp.linalg.norm(flat0_N)
-    return v_N, jnp.zeros_like(v_N), jnp.zeros((), v_N.dtype), jnp.zeros((num_iters, v_N.size), v_N.dtype)
+    B_MN = flat.constrain(sp, jnp.zeros((num_iters, v_N.size), v_N.dtype), stacked=True)
+    return v_N, flat.constrain(sp, jnp.zeros_like(v_N)), jnp.zeros((), v_N.dtype), B_MN
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="kept")
@@ -101,27 +104,6 @@ def _lanczos_step(B_MN, v_N, v_prev_N, beta_prev, w_N, i, kept=None):
     w_N, beta = _reorthogonalise(B_MN, w_N)
     v_next_N, B_MN = keep_layout((w_N / jnp.where(beta > 0, beta, 1.0), B_MN), kept)
     return alpha, beta, v_next_N, B_MN
-
-
-def _structure(tree: Params) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((jnp.dtype(x.dtype), tuple(np.shape(x))) for x in leaves)
-
-
-@functools.lru_cache(maxsize=32)
-def _raveller(treedef, shapes: tuple) -> tuple[Callable, Callable]:
-    """Jitted (ravel, unravel) between pytrees of this structure and one vector of their common (>= float32)
-    dtype: two dispatches per Lanczos step instead of one per tensor (compiled once per structure)."""
-    dtype = jnp.result_type(*(jnp.promote_types(d, jnp.float32) for d, _ in shapes))
-    offsets = np.cumsum([0, *(math.prod(s) for _, s in shapes)])
-
-    def ravel(tree):
-        return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in jax.tree.leaves(tree)])
-
-    def unravel(x_N):
-        return treedef.unflatten([x_N[a:b].reshape(s).astype(d) for (d, s), a, b in zip(shapes, offsets, offsets[1:])])
-
-    return jax.jit(ravel), jax.jit(unravel)
 
 
 def _reorthogonalise(B_MN, w_N):

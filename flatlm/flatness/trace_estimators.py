@@ -24,16 +24,17 @@ and a PRNG key. Each returns a `TraceEstimate` (mean, standard error, `num_sampl
   keeps it unbiased since the projected direction is uniform on the complement's sphere) or "rademacher" (plain).
   XTrace needs A Omega of full column rank: a budget above twice the operator's rank is refused.
 
-Vectors are raveled to [n] and stacked as rows ([m, n]), so memory is m parameter copies: for Hessians of models
-that fit a few dozen copies of their parameters. Products are computed `chunk_size` at a time (vmapped); a Hessian
-product is forward-over-reverse (`hessian.hvp`, the primal recomputed per chunk). The compiled product is cached
-on the `loss_fn` / `matvec` object, so pass the same one for repeated estimates.
+Vectors are raveled to [n] and stacked as rows ([m, n]), so memory is m parameter copies, split over the devices of
+the params' mesh (`flatlm.flatness.flat`: each holds 1/D of every stack, n zero-padded to a multiple of D): for
+Hessians of models that fit a few dozen copies of their parameters over the mesh. Products are computed
+`chunk_size` at a time (vmapped); a Hessian product is forward-over-reverse (`hessian.hvp`, the primal
+recomputed per chunk). The compiled product is cached on the `loss_fn` / `matvec` object, so pass the same one
+for repeated estimates.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,64 +42,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm.flatness import flat
 from flatlm.flatness.estimates import TraceEstimate, hashable
 from flatlm.flatness.hessian import hvp, mean_over_batches
-from flatlm.sharding import replicate_like
 
 Params = Any
 MatVec = Callable[[Params], Params]
 
 
 @functools.lru_cache(maxsize=16)
-def _matmat(fn: Callable, is_loss: bool, treedef, shapes: tuple, chunk: int) -> Callable:
-    """Jitted (params, X[m, n], batch) -> (A x_j)_j [m, n] on the structure (treedef, shapes): A the Hessian of
-    `fn(params)` (batch None) or `fn(params, batch)` (is_loss; forward-over-reverse `hvp`) or the pytree operator
-    `fn(v)`. Cached on `fn`'s identity, so
-    repeated estimates with one loss or operator compile once per stack shape; params are an argument (no
-    constants baked into the program)."""
-    sizes = [math.prod(s) for _, s in shapes]
-    offsets = np.cumsum([0, *sizes])
-
-    def unravel(x_N):
-        return treedef.unflatten([x_N[a:b].reshape(s).astype(d) for (d, s), a, b in zip(shapes, offsets, offsets[1:])])
+def _matmat(fn: Callable, is_loss: bool, sp: flat.Space, chunk: int) -> Callable:
+    """Jitted (params, X[m, size], batch) -> (A x_j)_j [m, size] in the raveled space `sp` of the params: A the
+    Hessian of `fn(params)` (batch None) or `fn(params, batch)` (is_loss; forward-over-reverse `hvp`) or the pytree
+    operator `fn(v)`. Cached on `fn`'s identity, so repeated estimates with one loss or operator compile once per
+    stack shape; params are an argument (no constants baked into the program)."""
 
     def apply(p, X_MN, batch):
         loss = fn if batch is None else (lambda q: fn(q, batch))
 
         def one(x_N):
-            y = hvp(loss, p, unravel(x_N)) if is_loss else fn(unravel(x_N))
-            return jnp.concatenate([jnp.ravel(t).astype(x_N.dtype) for t in jax.tree.leaves(y)])
+            v = flat.unravel(sp, x_N)
+            return flat.ravel(sp, hvp(loss, p, v) if is_loss else fn(v))
 
-        return jax.lax.map(one, X_MN, batch_size=chunk)
+        return flat.constrain(sp, jax.lax.map(one, X_MN, batch_size=chunk), stacked=True)
 
     return jax.jit(apply)
 
 
 def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: MatVec | None = None,
-             chunk_size: int = 8, batches=None) -> tuple[Callable[[jax.Array], jax.Array], int, jnp.dtype]:
-    """(matmat over stacked raveled vectors [m, n] -> [m, n], n, dtype) for the Hessian at `params` of
-    `loss_fn(params)`, or with `batches` (a batch or a sequence) of the mean over batches of `loss_fn(params,
-    batch)` (one pass over the batches per matmat); or for `matvec` when given (then `loss_fn` may be None)."""
-    leaves, treedef = jax.tree.flatten(params)
-    shapes = tuple((jnp.dtype(x.dtype), tuple(x.shape)) for x in leaves)
-    n = int(sum(math.prod(s) for _, s in shapes))
-    dtype = jnp.result_type(*(jnp.promote_types(d, jnp.float32) for d, _ in shapes))
+             chunk_size: int = 8, batches=None) -> tuple[Callable[[jax.Array], jax.Array], flat.Space]:
+    """(matmat, space): matmat maps stacked raveled vectors [m, space.size] to their products (a stack [m, n]
+    made elsewhere is padded and placed first: `flat.put`), for the Hessian at `params` of `loss_fn(params)`, or
+    with `batches` (a batch or a sequence) of the mean over batches of `loss_fn(params, batch)` (one pass over
+    the batches per matmat); or for `matvec` when given (then `loss_fn` may be None). On a mesh the stacks are
+    split along n over every device (`flatlm.flatness.flat`), so each holds 1/D of them."""
     if matvec is None and loss_fn is None:
         raise ValueError("give loss_fn or matvec")
     if matvec is not None and batches is not None:
         raise ValueError("batches go with loss_fn(params, batch), not with a matvec")
-    mm = _matmat(hashable(matvec or loss_fn), matvec is None, treedef, shapes, max(1, int(chunk_size)))
+    sp = flat.space(params)
+    mm = _matmat(hashable(matvec or loss_fn), matvec is None, sp, max(1, int(chunk_size)))
     bs = [None] if batches is None else [batches] if isinstance(batches, dict) else list(batches)
 
     def matmat(X_MN):
-        X_MN = replicate_like(params, X_MN)  # a fresh stack on the params' mesh, as the products are: one compile
+        X_MN = flat.put(sp, X_MN)  # a fresh stack in the products' layout: one compile
         return mean_over_batches(lambda b: mm(params, X_MN, b), bs)
 
-    return matmat, n, dtype
-
-
-def _signs(key: jax.Array, m: int, n: int, dtype) -> jax.Array:
-    return jax.random.rademacher(key, (m, n), dtype)
+    return matmat, sp
 
 
 def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int = 0, sq=None) -> TraceEstimate:
@@ -116,8 +106,8 @@ def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int =
 def hutchinson(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec: MatVec | None = None,
                chunk_size: int = 8, batches=None) -> TraceEstimate:
     """Hutchinson with `num_matvecs` Rademacher probes: Tr(A) = E v.Av and Tr(A^2) = E ||Av||^2 (`trace_sq`)."""
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
-    V_MN = _signs(key, max(1, num_matvecs), n, dtype)
+    mm, sp = operator(loss_fn, params, matvec, chunk_size, batches)
+    V_MN = flat.draw(key, sp, max(1, num_matvecs))
     AV_MN = mm(V_MN)
     z, sq = _hutchinson_samples(V_MN, AV_MN)
     return _estimate(np.asarray(z), "hutchinson", sq=np.asarray(sq))
@@ -134,20 +124,14 @@ def hutchpp(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec
     k = num_matvecs // 3
     if k < 2:
         raise ValueError(f"Hutch++ needs num_matvecs >= 6 (3 x 2 products), got {num_matvecs}")
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
+    mm, sp = operator(loss_fn, params, matvec, chunk_size, batches)
     k_s, k_g = jax.random.split(key)
-    S_KN, G_KN = _signs(k_s, k, n, dtype), _signs(k_g, k, n, dtype)
-    Q_KN = _orth_rows(mm(S_KN))
+    S_KN, G_KN = flat.draw(k_s, sp, k), flat.draw(k_g, sp, k)
+    Q_KN = flat.qr_rows(mm(S_KN), sp)[0]
     low = float(jnp.sum(Q_KN * mm(Q_KN)))  # Tr(Q^T A Q)
     PG_KN = _deflate(Q_KN, G_KN)
     z = jnp.sum(PG_KN * mm(PG_KN), axis=1)  # g^T P A P g
     return _estimate(np.asarray(z), "hutchpp", offset=low, used=3 * k)
-
-
-@jax.jit
-def _orth_rows(Y_KN):
-    """Orthonormal rows spanning the rows of Y (Householder QR: orthonormal even if Y is rank deficient)."""
-    return jnp.linalg.qr(Y_KN.T)[0].T
 
 
 @jax.jit
@@ -164,33 +148,30 @@ def xtrace(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec:
         raise ValueError(f"XTrace needs num_matvecs >= 4 (2 x 2 products), got {num_matvecs}")
     if kind not in ("sphere", "rademacher"):
         raise ValueError(f"kind must be 'sphere' or 'rademacher', got {kind!r}")
-    mm, n, dtype = operator(loss_fn, params, matvec, chunk_size, batches)
-    if m >= n:
-        raise ValueError(f"XTrace needs num_matvecs // 2 < n = {n}, got {num_matvecs}")
+    mm, sp = operator(loss_fn, params, matvec, chunk_size, batches)
+    if m >= sp.n:
+        raise ValueError(f"XTrace needs num_matvecs // 2 < n = {sp.n}, got {num_matvecs}")
+    Om_MN = flat.draw(key, sp, m, "normal" if kind == "sphere" else "rademacher")
     if kind == "sphere":
-        G_MN = jax.random.normal(key, (m, n), dtype)
-        Om_MN = np.sqrt(n) * G_MN / jnp.linalg.norm(G_MN, axis=1, keepdims=True)
-    else:
-        Om_MN = _signs(key, m, n, dtype)
+        Om_MN = _to_sphere(Om_MN, sp.n)
     Y_MN = mm(Om_MN)
-    Q_MN, R_MM = _qr_rows(Y_MN)
+    Q_MN, R_MM = flat.qr_rows(Y_MN, sp)
     d = np.abs(np.diag(np.asarray(R_MM)))
-    if d.min() <= 100 * np.finfo(np.dtype(dtype)).eps * d.max():
+    if d.min() <= 100 * np.finfo(np.dtype(sp.dtype)).eps * d.max():
         raise ValueError(f"A Omega is rank deficient (the operator's rank is below num_matvecs // 2 = {m}): "
                          "use fewer products for XTrace")
-    ests = _xtrace_ests(Om_MN, Q_MN, R_MM, mm(Q_MN), kind == "sphere")
+    ests = _xtrace_ests(Om_MN, Q_MN, R_MM, mm(Q_MN), kind == "sphere", sp.n)
     return _estimate(np.asarray(ests), f"xtrace_{kind}", used=2 * m)
 
 
-@jax.jit
-def _qr_rows(Y_MN):
-    """Y^T = Q R with Q [n, m] orthonormal, as (Q^T [m, n], R [m, m])."""
-    Q_NM, R_MM = jnp.linalg.qr(Y_MN.T)
-    return Q_NM.T, R_MM
+@functools.partial(jax.jit, static_argnames="n")
+def _to_sphere(G_MN, n: int):
+    """Each row rescaled to norm sqrt(n) (n the unpadded dimension): Gaussian rows become uniform on that sphere."""
+    return np.sqrt(n) * G_MN / jnp.linalg.norm(G_MN, axis=1, keepdims=True)
 
 
-@functools.partial(jax.jit, static_argnames=("improved",))
-def _xtrace_ests(Om_MN, Q_MN, R_MM, Z_MN, improved):
+@functools.partial(jax.jit, static_argnames=("improved", "n"))
+def _xtrace_ests(Om_MN, Q_MN, R_MM, Z_MN, improved, n):
     """The m exchangeable estimates tr_i from Omega, Y = A Omega = Q R and Z = A Q (column i of a matrix below
     is vector i; all m x m).
 
@@ -201,7 +182,6 @@ def _xtrace_ests(Om_MN, Q_MN, R_MM, Z_MN, improved):
       omega_i^T y_i = w_i.r_i (y_i lies in range(Q)), so it is c_i^T H c_i - t_i.c_i - c_i.r_i + w_i.r_i.
     The sphere version multiplies the second part by (n - m + 1) / ||p_i||^2, ||p_i||^2 = n - |w_i|^2 + sigma_i^2.
     """
-    n = Om_MN.shape[1]
     m = Om_MN.shape[0]
     W = Q_MN @ Om_MN.T
     H = Q_MN @ Z_MN.T
