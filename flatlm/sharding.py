@@ -175,12 +175,17 @@ def place_like(params, tree, stacked: bool = False):
 
 
 def one_at_a_time(x):
-    """`x` (a jitted program's output), waited for when JAX runs several processes on the CPU backend, else as it
-    is (dispatch stays asynchronous). There, independent programs with cross-process collectives in flight at once
-    (the per-batch products of one matvec) can run in another order in each process and deadlock: the preconditioned
-    sharpness on 2 processes x 4 CPU devices hung in every run until its per-batch HVPs were waited for. A GPU or TPU
-    runs each device's programs in dispatch order, so nothing waits there."""
-    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    """`x` (a jitted program's output), waited for when JAX runs on the CPU backend with several devices (simulated
+    ones included) or several processes, else as it is (dispatch stays asynchronous on one CPU device, a GPU or a TPU).
+    Call it once per iteration of a loop that dispatches programs with collectives. Two ways such loops deadlocked:
+    - XLA:CPU (jaxlib 0.10) runs every device's part of a program on one pool of max(cores, devices) threads and lets
+      at most 32 computations per device be in flight. A loop that ran ahead filled a device's slots; a program with
+      collectives then held the other devices' threads at its rendezvous while its launch on the full device waited
+      for a slot only those threads could free, and XLA aborted the process after its 40 s rendezvous timeout
+      (`flatlm flatness --preconditioned` on 8 simulated devices: 3 of 8 runs; 40+ independent psums: every run).
+    - With several processes, independent programs with cross-process collectives in flight at once (the per-batch
+      products of one matvec) ran in another order in each process (2 processes x 4 CPU devices: 4 of 4 runs)."""
+    if jax.default_backend() == "cpu" and (jax.process_count() > 1 or jax.local_device_count() > 1):
         return jax.block_until_ready(x)
     return x
 

@@ -308,8 +308,8 @@ def mean_of_trees(trees: list):
 
 def mean_over_batches(product: Callable, batches: Sequence):
     """Mean over `batches` of `product(batch)` (a pytree or an array): one batch's product itself, else
-    `mean_of_trees`. Each product is waited for where several processes must run them in one order
-    (`flatlm.sharding.one_at_a_time`)."""
+    `mean_of_trees`. Each product is waited for on several CPU devices or processes, where programs with
+    collectives in flight at once deadlocked (`flatlm.sharding.one_at_a_time`)."""
     out = [one_at_a_time(product(b)) for b in batches]
     return out[0] if len(out) == 1 else mean_of_trees(out)
 

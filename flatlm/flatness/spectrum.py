@@ -27,7 +27,7 @@ import numpy as np
 
 from flatlm.flatness import flat
 from flatlm.flatness.hessian import hvp_fn, probe_like
-from flatlm.sharding import keep_layout, layout, place_like
+from flatlm.sharding import keep_layout, layout, one_at_a_time, place_like
 
 Params = object
 MatVec = Callable[[Params], Params]
@@ -65,8 +65,9 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     Vectors are raveled to one array and the basis kept as a fixed [num_iters, N] stack (unused rows zero), so a
     pass is two matrix products of one shape (compiled once); on a mesh both are split along N over every device
     (`flatlm.flatness.flat`: each device holds 1/D of the basis). All steps are dispatched without a host round
-    trip (on an accelerator a round trip per step would idle it between products) and (alpha, beta) read once at
-    the end; an early breakdown (beta ~ 0) truncates them there: steps after it are wasted work, never a result."""
+    trip (on an accelerator a round trip per step would idle it between products; on several CPU devices each step
+    is waited for: `flatlm.sharding.one_at_a_time`) and (alpha, beta) read once at the end; an early breakdown
+    (beta ~ 0) truncates them there: steps after it are wasted work, never a result."""
     sp = flat.space(v0)
     ravel, unravel = flat.ravellers(sp)
     mv = lambda x: ravel(matvec(unravel(x)))
@@ -74,7 +75,7 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
     kept = layout((v, B_MN))  # every step's vector and basis where the first step's are: one compile of each program
     coefs = []
     for i in range(num_iters):
-        alpha, beta, v_next, B_MN = _lanczos_step(B_MN, v, v_prev, beta, mv(v), i, kept=kept)
+        alpha, beta, v_next, B_MN = one_at_a_time(_lanczos_step(B_MN, v, v_prev, beta, mv(v), i, kept=kept))
         coefs.append((alpha, beta))
         v_prev, v = v, v_next
     alphas, betas = np.asarray(jax.device_get(coefs), np.float64).T
