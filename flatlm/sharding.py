@@ -156,22 +156,45 @@ def mesh_of(tree) -> Mesh | None:
     return next((x.sharding.mesh for x in jax.tree.leaves(tree) if _on_mesh(x)), None)
 
 
+def stacked_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """The layout of a stack [K, *shape] of copies of a parameter laid out by `spec`: the leading axis unsharded,
+    the parameter's own axes kept, and the mesh axes `spec` leaves unused (all of them for a data-parallel,
+    replicated parameter) over its largest other dimension they divide. A stack of K copies then costs each device
+    K / D copies, not K / (the parameter's own split); a leaf no dimension of which they divide keeps `spec`."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in ((e,) if isinstance(e, str) else (e or ()))}
+    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in free])) if free else 1
+    dims = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0 and shape[d] >= size]
+    if free and dims:
+        d = max(dims, key=lambda d: shape[d])
+        entries[d] = free if len(free) > 1 else free[0]
+    return PartitionSpec(None, *entries)
+
+
+def stacked_shardings(params):
+    """NamedShardings (a tree like `params`) for stacks [K, *shape] of copies of `params` (`stacked_spec`), or None
+    when `params` are off a mesh."""
+    mesh = mesh_of(params)
+    if mesh is None:
+        return None
+    return jax.tree.map(lambda p: NamedSharding(mesh, stacked_spec(p.sharding.spec if _on_mesh(p) else PartitionSpec(),
+                                                                  p.shape, mesh)), params)
+
+
 def place_like(params, tree, stacked: bool = False):
     """`tree` (shaped like `params`; with `stacked`, each leaf [K, *shape of the params leaf]: probe stacks) placed as
-    `params` is, a stacked leading axis unsharded: on an FSDP / tensor-parallel mesh each device holds its part of
-    every copy, not all of it (`replicate_like` would). A leaf already there stays (no copy), one elsewhere (a jitted
-    output XLA laid out its own way) moves there, so a function fed such trees compiles once. Off a mesh, or on a
-    mesh spanning several processes (see `replicate_like`), `tree` itself."""
+    `params` is, or for stacks as `stacked_spec` lays them out (each device holds its part of every copy, and the
+    mesh axes a parameter does not use split the copies further). A leaf already there stays (no copy), one elsewhere
+    (a jitted output XLA laid out its own way) moves there, so a function fed such trees compiles once. Off a mesh,
+    or on a mesh spanning several processes (see `replicate_like`), `tree` itself."""
     mesh = mesh_of(params)
     if mesh is None or mesh.is_multi_process:
         return tree
-    lead = (None,) if stacked else ()
-
-    def place(p, x):
-        want = NamedSharding(mesh, PartitionSpec(*lead, *p.sharding.spec)) if _on_mesh(p) else replicated(mesh)
-        return x if getattr(x, "sharding", None) == want else jax.device_put(x, want)
-
-    return jax.tree.map(place, params, tree)
+    wants = stacked_shardings(params) if stacked else jax.tree.map(
+        lambda p: NamedSharding(mesh, p.sharding.spec) if _on_mesh(p) else replicated(mesh), params)
+    return jax.tree.map(lambda x, want: x if getattr(x, "sharding", None) == want else jax.device_put(x, want),
+                        tree, wants)
 
 
 def one_at_a_time(x):

@@ -44,7 +44,9 @@ def test_stacks_and_the_lanczos_basis_are_split_over_eight_devices_with_the_valu
     """A quadratic loss 0.5 x^T H x over 26 parameters (a [7, 3] and a [5] leaf, replicated as data-parallel keeps
     them) on a 2 x 4 mesh: vectors are padded to 32 and each device holds 4 columns of every stack and of Lanczos's
     basis (before: the whole of each, replicated). Hutchinson, Hutch++, XTrace and the Lanczos top eigenvalues equal
-    the unsplit run's (one process, same keys); TSQR's factors match numpy's; H's top eigenvalues are exact."""
+    the unsplit run's (one process, same keys); TSQR's factors match numpy's; H's top eigenvalues are exact. The
+    streamed Hutch++'s pytree stacks (`flatlm.sharding.stacked_spec`) are split by the axes a parameter leaves
+    unused (before: as the parameter, so replicated ones whole on every device), with the unsplit estimate."""
     from conftest import run_python
 
     proc = run_python("""
@@ -85,13 +87,28 @@ def test_stacks_and_the_lanczos_basis_are_split_over_eight_devices_with_the_valu
                   recon=float(np.abs(np.asarray(R).T @ np.asarray(Q) - Yn).max() / np.abs(Yn).max()),
                   r=float(np.abs(np.abs(np.diag(np.asarray(R))) / np.abs(np.diag(R0)) - 1).max()),
                   pad=float(np.abs(np.asarray(Q)[:, 26:]).max()))
+        # Hutch++'s streamed stacks [K, *shape]: the mesh axes a parameter leaves unused split the copies too
+        from flatlm import sharding
+        from flatlm.flatness import hessian
+        p2 = {"w": jnp.ones((16, 8)), "t": jnp.ones((16, 8)), "b": jnp.ones(3)}
+        specs = {"w": P(), "t": P(None, "model"), "b": P()}
+        p2_mesh = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p2.items()}
+        stack = sharding.place_like(p2_mesh, jax.tree.map(lambda x: jnp.zeros((4, *x.shape)), p2), stacked=True)
+        shards["hutchpp"] = {k: list(v.addressable_shards[0].data.shape) for k, v in stack.items()}
+        U2 = np.linalg.qr(rng.normal(size=(259, 259)))[0]
+        H2 = jnp.asarray((U2 * np.logspace(2, -2, 259)) @ U2.T, jnp.float32)
+        mv = lambda p, v: hessian.hvp(lambda q: 0.5 * ravel_pytree(q)[0] @ H2 @ ravel_pytree(q)[0], p, v)
+        for name, p in (("one", p2), ("mesh", p2_mesh)):
+            out[name]["streamed_hutchpp"] = hessian.hutchpp_trace(mv, p, jax.random.key(5), 30).mean
         print("RESULT" + json.dumps(dict(out=out, shards=shards, qr=qr, size=sp.size, eig=eig[:3].tolist())))
     """, devices=8)
     res = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT"):])
     assert res["size"] == 32
-    assert res["shards"] == {"basis": [[26, 32], [26, 4]], "stack": [[5, 32], [5, 4]], "q": [[5, 32], [5, 4]]}
+    assert res["shards"] == {"basis": [[26, 32], [26, 4]], "stack": [[5, 32], [5, 4]], "q": [[5, 32], [5, 4]],
+                             # replicated [16, 8]: split 8-way on its rows; tp's [16, 8] over model: rows over data
+                             "hutchpp": {"w": [4, 2, 8], "t": [4, 8, 2], "b": [4, 3]}}
     one, mesh = res["out"]["one"], res["out"]["mesh"]
-    for name in ("hutchinson", "hutchpp", "xtrace", "xtrace_signs"):
+    for name in ("hutchinson", "hutchpp", "xtrace", "xtrace_signs", "streamed_hutchpp"):
         assert mesh[name] == pytest.approx(one[name], rel=1e-5), (name, one, mesh)
     np.testing.assert_allclose(mesh["top"], one["top"], rtol=1e-5)
     np.testing.assert_allclose(mesh["top"], res["eig"], rtol=1e-4)

@@ -40,7 +40,7 @@ from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.f
     fisher_trace,
     fisher_vp,
 )
-from flatlm.sharding import one_at_a_time, place_like
+from flatlm.sharding import keep_layout, one_at_a_time, place_like, stacked_shardings
 
 Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
 LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
@@ -299,6 +299,14 @@ def _orthonormalize(y: Params) -> Params:
     return y
 
 
+@functools.partial(jax.jit, static_argnames=("k", "kind", "kept"))
+def _probe_stack(key: jax.Array, params: Params, k: int, kind: str, kept: tuple | None) -> Params:
+    """k probes (`probe_like` with keys fold_in(key, i)) stacked [k, ...] per leaf, made in the layout `kept`
+    (`flatlm.sharding.layout` form; None: XLA's): each device draws only its part of the stack."""
+    stack = jax.vmap(lambda i: probe_like(jax.random.fold_in(key, i), params, kind))(jnp.arange(k))
+    return keep_layout(stack, kept)
+
+
 @jax.jit
 def mean_of_trees(trees: list):
     """Leafwise mean of pytrees of one structure (per-batch products) in one dispatch: eager, it compiled an add
@@ -332,7 +340,8 @@ def hutchpp_trace(
     orthonormal basis Q of A S, plus Hutchinson on the rest, samples g.A(I - QQ^T)g with fresh probes g; the
     standard error is that of the rest given Q. (Projecting only on the right keeps every per-group trace
     v_g.(Av)_g unbiased for Tr(A_gg), so the groups still sum to the total.) Makes 3 passes over `batches` (k
-    products each) and keeps about 4k stacked parameter copies, placed as the params are (sharded with them).
+    products each) and keeps about 4k stacked parameter copies, split over the params' mesh
+    (`flatlm.sharding.stacked_spec`).
     """
     k = max(1, num_matvecs // 3)
     names, ids = param_groups(params, groups)
@@ -349,9 +358,12 @@ def hutchpp_trace(
         vs = place_like(params, vs, stacked=True)  # deflate's output too
         return mean_over_batches(lambda b: apply_batch(params, vs, b), bs)
 
-    probes = lambda kk: jax.vmap(lambda i: probe_like(jax.random.fold_in(kk, i), params, kind))(jnp.arange(k))
-    # every stack placed as the params are: the products and the per-sample dots each compile once
-    S, Gp = (place_like(params, probes(jax.random.fold_in(key, i)), stacked=True) for i in (0, 1))
+    # every stack made or placed in one layout (`flatlm.sharding.stacked_spec`: split over the whole mesh, so each
+    # device holds 1/D of the copies even for replicated data-parallel params): each program compiles once
+    sh = stacked_shardings(params)
+    kept = None if sh is None else (jax.tree.structure(params), tuple(jax.tree.leaves(sh)))
+    S, Gp = (place_like(params, _probe_stack(jax.random.fold_in(key, i), params, k=k, kind=kind, kept=kept),
+                        stacked=True) for i in (0, 1))
     Q = place_like(params, jax.jit(_orthonormalize)(apply(S)), stacked=True)
 
     @jax.jit
