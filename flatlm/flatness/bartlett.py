@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from flatlm.flatness.estimates import acc_dtype
+from flatlm.flatness.estimates import acc_dtype, batch_list
 from flatlm.flatness.fisher import ApplyFn, exact_fisher_trace, fisher_surrogate_loss, fisher_trace
 from flatlm.flatness.hessian import hutchinson_trace
 from flatlm.models.losses import sample_labels
@@ -97,7 +97,7 @@ def bartlett_check(apply_fn: ApplyFn, params, batches: Batch | Iterable[Batch], 
       the model of Tr(H) of the cross-entropy on them (stderr over draws plus Hutchinson's); true: Tr(H) on the
       batches' own targets (equal to fisher only at saturation). Also grad_norm (of the loss on true targets: ~0
       at the optimum). hessian: "exact" (jax.hessian; tiny models) or "hutchinson" with `num_probes` probes."""
-    bs = [batches] if isinstance(batches, dict) else list(batches)
+    bs = batch_list(batches)
     bs = [{k: jnp.asarray(v) for k, v in b.items()} for b in bs]
     if hessian not in ("exact", "hutchinson"):
         raise ValueError(f"hessian must be 'exact' or 'hutchinson', got {hessian!r}")

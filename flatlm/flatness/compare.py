@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from flatlm.flatness import spectrum, trace_estimators
-from flatlm.flatness.estimates import GroupFn, TraceEstimate
+from flatlm.flatness.estimates import GroupFn, TraceEstimate, batch_list
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
 from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_over_batches
 from flatlm.models.losses import mlm_loss
@@ -87,7 +87,7 @@ def measure(
     of `num_probes` Hessian-vector products (each a pass over the batches; num_probes / 2 parameter copies held);
     exact: Tr(Hessian) via jax.hessian (tiny models); empirical_fisher: true labels.
     """
-    batches = [batches] if isinstance(batches, dict) else list(batches)
+    batches = batch_list(batches)
     if method == "fisher":
         return fisher_trace(apply_fn, params, batches, key, num_draws=num_draws, method=fisher_form, groups=groups)
     if method == "hutchinson":
@@ -124,7 +124,7 @@ def gap_report(
     true-label Fisher; loss: mean MLM loss (nats). E[H] = F holds when the model's conditionals equal the data's
     (saturation regime); `hessian_minus_fisher` with its stderr and z-score says how far from that a model is.
     """
-    batches = [batches] if isinstance(batches, dict) else list(batches)
+    batches = batch_list(batches)
     k_h, k_f = jax.random.split(key)
     hess = measure("hutchinson", apply_fn, params, batches, k_h, num_probes=num_probes, chunk_size=chunk_size,
                    groups=groups)
@@ -157,7 +157,7 @@ def spectrum_report(apply_fn: ApplyFn, params, batches: Iterable[dict], key: jax
     and weights of `density_probes` probes x `density_iters` steps (`spectrum.spectral_density`) and "moments",
     Tr(H^p) for p = 1..`moments` with standard errors over probes (None with one probe). One HVP = one pass over
     the batches; "num_matvecs" counts those computed (all steps run, even past an exhausted Krylov space)."""
-    batches = [batches] if isinstance(batches, dict) else list(batches)
+    batches = batch_list(batches)
     matvec = hessian_matvec(apply_fn, params, batches)
     k_top, k_density = jax.random.split(key)
     report: dict[str, Any] = {"dim": spectrum.num_params(params), "num_batches": len(batches)}

@@ -24,6 +24,14 @@ from flatlm.models.blocks import block_group, path_names
 GroupFn = Callable[[tuple[str, ...]], str]  # parameter path, e.g. ("layer_0", "attn", "qkv") -> group name
 
 
+def batch_list(batches) -> list:
+    """The estimators' `batches` argument as a list: None (a loss without a batch) -> [None], one batch (a dict) ->
+    [it], a sequence or iterable of batches -> its list."""
+    if batches is None:
+        return [None]
+    return [batches] if isinstance(batches, dict) else list(batches)
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceEstimate:
     """A trace (e.g. Tr(Hessian) of a loss in nats, per unit parameter squared) with its standard error.

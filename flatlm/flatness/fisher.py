@@ -32,6 +32,7 @@ from flatlm.flatness.estimates import (
     GroupFn,
     TraceEstimate,
     acc_dtype,
+    batch_list,
     group_dots,
     hashable,
     param_groups,
@@ -45,10 +46,6 @@ Batch = dict[str, Any]
 
 def _logits_fn(apply_fn: ApplyFn, tokens_BT) -> Callable:
     return lambda p: apply_fn({"params": p}, tokens_BT, deterministic=True)
-
-
-def _batches(batches) -> list[Batch]:
-    return [batches] if isinstance(batches, dict) else list(batches)
 
 
 def fisher_surrogate_loss(params, batch: Batch, apply_fn: ApplyFn) -> jax.Array:
@@ -111,7 +108,7 @@ def exact_fisher_trace(
             out[g] = out[g] + jnp.sum(coef_BTV * s)
         return jnp.stack(out)
 
-    bs = _batches(batches)
+    bs = batch_list(batches)
     per = np.mean([np.asarray(per_group(params, b)) for b in bs], axis=0)
     return TraceEstimate(
         mean=float(per.sum()), stderr=0.0, num_samples=0, method=f"exact_fisher_{labels}", num_batches=len(bs),
@@ -180,7 +177,7 @@ def fisher_trace(
     static = dict(apply_fn=hashable(apply_fn), num_draws=S, draw_chunk=max(1, min(draw_chunk_size, S)),
                   leaf_ids=tuple(ids))
     samples = []
-    for b, batch in enumerate(_batches(batches)):
+    for b, batch in enumerate(batch_list(batches)):
         W = float(np.sum(np.asarray(batch["weights"], np.float64)))
         if W <= 0:
             continue

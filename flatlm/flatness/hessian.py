@@ -29,6 +29,7 @@ from flatlm.flatness.estimates import (
     GroupFn,
     TraceEstimate,
     acc_dtype,
+    batch_list,
     group_dots,
     hashable,
     param_groups,
@@ -144,14 +145,6 @@ def _as_loss(loss_fn: LossFn, batch) -> Callable[[Params], jax.Array]:
     return (lambda p: loss_fn(p)) if batch is None else (lambda p: loss_fn(p, batch))
 
 
-def _batch_list(batches) -> list:
-    if batches is None:
-        return [None]
-    if isinstance(batches, dict):
-        return [batches]
-    return list(batches)
-
-
 def exact_hessian(loss_fn: LossFn, params: Params, batches: Iterable | None = None):
     """(H [P, P], unravel) for the mean over batches of loss_fn, via `jax.hessian` on the raveled parameters.
 
@@ -163,7 +156,7 @@ def exact_hessian(loss_fn: LossFn, params: Params, batches: Iterable | None = No
     def hess(x, batch):
         return jax.hessian(lambda y: _as_loss(loss_fn, batch)(unravel(y)))(x)
 
-    bs = _batch_list(batches)
+    bs = batch_list(batches)
     H = sum(hess(flat, b) for b in bs) / len(bs)
     return H, unravel
 
@@ -194,7 +187,7 @@ def exact_trace(
                          f"{P:,} (limit {max_params:,}); use --method hutchinson (the same trace, estimated) or a "
                          "smaller model")
     c = chunk_size or exact_chunk_size(P)
-    bs = _batch_list(batches)
+    bs = batch_list(batches)
     names, ids = param_groups(params, groups)
     group_of = np.concatenate([np.full(np.size(x), g) for x, g in zip(jax.tree.leaves(params), ids)])
     diag, sq = np.zeros(P), 0.0
@@ -250,7 +243,7 @@ def hutchinson_trace(
                   chunk=max(1, min(chunk_size, num_probes)), leaf_ids=tuple(ids),
                   shard=_shard_leaves(params, shardings), linearize=bool(linearize))
     outs = [_hutchinson_stats(params, b, jax.random.fold_in(key, i), **static)
-            for i, b in enumerate(_batch_list(batches))]
+            for i, b in enumerate(batch_list(batches))]
     z = [np.asarray(z) for z, _ in outs]
     return summarize(z, names, method=f"hutchinson_{kind}", sq_samples=[np.asarray(s) for _, s in outs])
 
@@ -346,7 +339,7 @@ def hutchpp_trace(
     k = max(1, num_matvecs // 3)
     names, ids = param_groups(params, groups)
     G = len(names)
-    bs = _batch_list(batches)
+    bs = batch_list(batches)
     chunk = max(1, min(chunk_size, k))
 
     @jax.jit

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.flatness import flat
-from flatlm.flatness.estimates import TraceEstimate, hashable
+from flatlm.flatness.estimates import TraceEstimate, batch_list, hashable
 from flatlm.flatness.hessian import hvp, mean_over_batches
 
 Params = Any
@@ -82,7 +82,7 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
         raise ValueError("batches go with loss_fn(params, batch), not with a matvec")
     sp = flat.space(params)
     mm = _matmat(hashable(matvec or loss_fn), matvec is None, sp, max(1, int(chunk_size)))
-    bs = [None] if batches is None else [batches] if isinstance(batches, dict) else list(batches)
+    bs = batch_list(batches)
 
     def matmat(X_MN):
         X_MN = flat.put(sp, X_MN)  # a fresh stack in the products' layout: one compile
