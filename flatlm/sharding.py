@@ -187,14 +187,22 @@ def place_like(params, tree, stacked: bool = False):
     `params` is, or for stacks as `stacked_spec` lays them out (each device holds its part of every copy, and the
     mesh axes a parameter does not use split the copies further). A leaf already there stays (no copy), one elsewhere
     (a jitted output XLA laid out its own way) moves there, so a function fed such trees compiles once. Off a mesh,
-    or on a mesh spanning several processes (see `replicate_like`), `tree` itself."""
+    `tree` itself; on a mesh spanning several processes only leaves already on its devices move (a reshard of a
+    global array), others stay (placing host data there assumes every process holds the same values)."""
     mesh = mesh_of(params)
-    if mesh is None or mesh.is_multi_process:
+    if mesh is None:
         return tree
     wants = stacked_shardings(params) if stacked else jax.tree.map(
         lambda p: NamedSharding(mesh, p.sharding.spec) if _on_mesh(p) else replicated(mesh), params)
-    return jax.tree.map(lambda x, want: x if getattr(x, "sharding", None) == want else jax.device_put(x, want),
-                        tree, wants)
+
+    def place(x, want):
+        if getattr(x, "sharding", None) == want:
+            return x
+        if mesh.is_multi_process and not (_on_mesh(x) and x.sharding.device_set == want.device_set):
+            return x
+        return jax.device_put(x, want)
+
+    return jax.tree.map(place, tree, wants)
 
 
 def one_at_a_time(x):
