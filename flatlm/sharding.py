@@ -194,15 +194,18 @@ def place_like(params, tree, stacked: bool = False):
         return tree
     wants = stacked_shardings(params) if stacked else jax.tree.map(
         lambda p: NamedSharding(mesh, p.sharding.spec) if _on_mesh(p) else replicated(mesh), params)
+    return jax.tree.map(move_to, tree, wants)
 
-    def place(x, want):
-        if getattr(x, "sharding", None) == want:
-            return x
-        if mesh.is_multi_process and not (_on_mesh(x) and x.sharding.device_set == want.device_set):
-            return x
-        return jax.device_put(x, want)
 
-    return jax.tree.map(place, tree, wants)
+def move_to(x, want: NamedSharding):
+    """`x` in the layout `want`: itself when already there (no copy), else moved there (`jax.device_put`). On a mesh
+    spanning several processes only an array already on its devices moves (a reshard of a global array); host data
+    stays where it is (placing it there assumes every process holds the same values)."""
+    if getattr(x, "sharding", None) == want:
+        return x
+    if want.mesh.is_multi_process and not (_on_mesh(x) and x.sharding.device_set == want.device_set):
+        return x
+    return jax.device_put(x, want)
 
 
 def one_at_a_time(x):

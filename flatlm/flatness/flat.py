@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flatlm.sharding import keep_layout, layout, mesh_of
+from flatlm.sharding import keep_layout, layout, mesh_of, move_to
 
 Params = Any
 
@@ -106,15 +106,13 @@ def draw(key: jax.Array, sp: Space, m: int, kind: str = "rademacher") -> jax.Arr
 
 def put(sp: Space, X: jax.Array) -> jax.Array:
     """A stack [K, n] or [K, size] made elsewhere (a test's, a caller's), zero-padded and placed in the space's
-    layout; one already there is returned as it is. (A mesh spanning several processes takes only stacks made by
-    this module: placing host data there assumes every process holds the same values.)"""
+    layout (`flatlm.sharding.move_to`: one already there is returned as it is; on a mesh spanning several processes
+    host data stays where it is)."""
     X = jnp.asarray(X)
     if X.shape[-1] == sp.n and sp.size != sp.n:
         X = jnp.pad(X, ((0, 0), (0, sp.size - sp.n)))
     want = sp.sharding(stacked=True)
-    if want is None or getattr(X, "sharding", None) == want or sp.mesh.is_multi_process:
-        return X
-    return jax.device_put(X, want)
+    return X if want is None else move_to(X, want)
 
 
 @functools.partial(jax.jit, static_argnames="sp")
