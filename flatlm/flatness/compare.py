@@ -22,7 +22,7 @@ from flatlm.flatness.estimates import GroupFn, TraceEstimate, batch_list
 from flatlm.flatness.fisher import ApplyFn, empirical_fisher_trace, fisher_trace, fisher_vp
 from flatlm.flatness.hessian import exact_trace, hutchinson_trace, hutchpp_trace, hvp, mean_over_batches
 from flatlm.models.losses import mlm_loss
-from flatlm.sharding import place_like
+from flatlm.sharding import keep_layout, layout, place_like
 
 METHODS = ("fisher", "hutchinson", "hutchpp", "xtrace", "exact", "empirical_fisher")
 
@@ -44,23 +44,26 @@ def _fisher_matvec(apply_fn: ApplyFn):
 
 @functools.lru_cache(maxsize=16)
 def _hvp_batch(apply_fn: ApplyFn):
-    """Jitted (params, v, batch) -> H_batch v for the MLM loss (forward-over-reverse; nothing kept between calls)."""
+    """Jitted (params, v, batch, kept=layout) -> H_batch v for the MLM loss (forward-over-reverse; nothing kept
+    between calls), returned in the layout `kept` (`flatlm.sharding.layout` form; None: XLA's)."""
     loss = _mlm_loss_fn(apply_fn)
 
-    @jax.jit
-    def mlm_hvp(p, v, b):
-        return hvp(lambda q: loss(q, b), p, v)
+    @functools.partial(jax.jit, static_argnames="kept")
+    def mlm_hvp(p, v, b, kept=None):
+        return keep_layout(hvp(lambda q: loss(q, b), p, v), kept)
 
     return mlm_hvp
 
 
 def hessian_matvec(apply_fn: ApplyFn, params, batches: list[dict]):
-    """v -> H v, H the Hessian of the MLM loss averaged over `batches` (one HVP = one pass over them)."""
-    hv = _hvp_batch(apply_fn)
+    """v -> H v, H the Hessian of the MLM loss averaged over `batches` (one HVP = one pass over them), v and H v
+    laid out as `params` (on a mesh XLA laid the product out its own way, so Lanczos's ravel of it compiled a
+    second time, for that layout, and resharded every product)."""
+    hv, kept = _hvp_batch(apply_fn), layout(params)
 
     def matvec(v):
         v = place_like(params, v)  # as the params are, whichever program made it (Lanczos, a preconditioner)
-        return mean_over_batches(lambda b: hv(params, v, b), batches)
+        return mean_over_batches(lambda b: hv(params, v, b, kept=kept), batches)
 
     return matvec
 

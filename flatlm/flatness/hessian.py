@@ -41,7 +41,7 @@ from flatlm.flatness.fisher import (  # noqa: F401  (public re-exports: flatlm.f
     fisher_trace,
     fisher_vp,
 )
-from flatlm.sharding import keep_layout, one_at_a_time, place_like, stacked_shardings
+from flatlm.sharding import keep_layout, layout, one_at_a_time, place_like, stacked_shardings
 
 Params = Any  # a pytree of float arrays (plain nested dict for flatlm models)
 LossFn = Callable[..., jax.Array]  # loss_fn(params) or loss_fn(params, batch) -> scalar
@@ -136,9 +136,11 @@ def hvp_fn(loss_fn: Callable[[Params], jax.Array], params: Params) -> Callable[[
     """v -> H v with the gradient's primal pass done once (`jax.linearize`), for many products at one point.
 
     Each product then costs only the tangent pass; the residuals (activations of forward and backward) are kept.
+    On a mesh the product is laid out as `params` (traced inside a jit: its layout is otherwise XLA's choice).
     """
     _, lin = jax.linearize(jax.grad(loss_fn), params)
-    return lambda v: lin(_like(params, v))
+    kept = layout(params)
+    return lambda v: keep_layout(lin(_like(params, v)), kept)
 
 
 def _as_loss(loss_fn: LossFn, batch) -> Callable[[Params], jax.Array]:
