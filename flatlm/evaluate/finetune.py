@@ -38,7 +38,7 @@ from flatlm.errors import UserError
 from flatlm.evaluate.features import ApplyFn
 from flatlm.evaluate.heads import chunks, epoch_indices, infer_num_classes, masked_ce, summarize, warmup_linear_decay
 from flatlm.languages.base import special_ids
-from flatlm.sharding import keep_layout, layout, replicate_like
+from flatlm.sharding import keep_layout, layout, one_at_a_time, replicate_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,14 +255,14 @@ def finetune(
             loss, state_layout = jnp.nan, layout((p, opt))
             bar = tqdm(range(c.epochs), desc=f"finetune seed {seed}{tag}", disable=not progress, leave=False)
             for epoch in bar:
-                p, opt, loss = _finetune_epoch(p, opt, x_NT, y_N, perm_key, drop_key, epoch, jnp.float32(lr),
-                                               apply_fn=apply_fn, config=epoch_cfg, frozen=frozen,
-                                               state_layout=state_layout)
+                p, opt, loss = one_at_a_time(_finetune_epoch(  # waited for on several CPU devices (deadlocks)
+                    p, opt, x_NT, y_N, perm_key, drop_key, epoch, jnp.float32(lr), apply_fn=apply_fn,
+                    config=epoch_cfg, frozen=frozen, state_layout=state_layout))
                 if progress:
                     bar.set_postfix(loss=f"{float(loss):.4f}")
             final_loss.append(float(loss))
             for split in toks:
-                correct = sum(_correct_chunk(apply_fn, p, t, y, valid)
+                correct = sum(one_at_a_time(_correct_chunk(apply_fn, p, t, y, valid))
                               for valid, t, y in chunks(len(ys[split]), chunk, toks[split], ys[split]))
                 acc[split].append(int(correct) / len(ys[split]))
             if return_params:

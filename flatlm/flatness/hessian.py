@@ -244,7 +244,7 @@ def hutchinson_trace(
     static = dict(loss_fn=hashable(loss_fn), num_probes=int(num_probes), kind=kind,
                   chunk=max(1, min(chunk_size, num_probes)), leaf_ids=tuple(ids),
                   shard=_shard_leaves(params, shardings), linearize=bool(linearize))
-    outs = [_hutchinson_stats(params, b, jax.random.fold_in(key, i), **static)
+    outs = [one_at_a_time(_hutchinson_stats(params, b, jax.random.fold_in(key, i), **static))
             for i, b in enumerate(batch_list(batches))]
     z = [np.asarray(z) for z, _ in outs]
     return summarize(z, names, method=f"hutchinson_{kind}", sq_samples=[np.asarray(s) for _, s in outs])
