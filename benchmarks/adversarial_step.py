@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _util import compiled_flops
 
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
@@ -40,9 +41,7 @@ def compiled_step(model, optimizer, objective, state, batch):
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     seconds = time.perf_counter() - t0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return compiled, seconds, float((cost or {}).get("flops", float("nan")))
+    return compiled, seconds, compiled_flops(compiled)
 
 
 def run_steps(step, state, batch, n: int):

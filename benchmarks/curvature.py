@@ -7,7 +7,8 @@ Model: a pre-LN Bert over the paper's HMM vocabulary (200 words), sentences of T
 as the base config masks (one position per sentence, `data.masking=single`; the head runs there only, as in
 training). Sections:
   1. products per second: a gradient, one Hessian-vector product (forward-over-reverse, `hessian.hvp`; and the
-     linearized `hvp_fn` that Lanczos uses), and a chunk of 8 stacked products (`trace_estimators.operator`).
+     linearized `hvp_fn` that Lanczos uses), and a chunk of 8 stacked products (`trace_estimators.operator`);
+     XLA's FLOP count of each product in gradients (`cost_analysis`: the same on every machine).
   2. error vs matvec budget of Hutchinson, Hutch++ and XTrace (`flatness.trace_estimators`) on a smaller Bert
      (--exact-d-model, 1 layer, one batch of 16) whose Tr(H) is computed exactly (`hessian.exact_trace`, one
      product per parameter): median |estimate - Tr(H)| / |Tr(H)| over --repeats keys per budget. (The MLM Hessian
@@ -17,7 +18,8 @@ training). Sections:
      host round trips included; the first call's compilation is printed apart).
   4. train steps (`train_step` jitted with a donated state, AdamW, dropout on) interleaved in rounds: SAM
      (`flat_objectives`, rho 0.05, one ascent group) and the trace penalty with one probe (Fisher, the default,
-     and Hutchinson) as multiples of the plain MLM step; medians over rounds.
+     and Hutchinson) as multiples of the plain MLM step; medians over rounds; and each step's XLA FLOPs as a
+     multiple of the plain step's: a time ratio below it means that step runs its FLOPs faster than the plain one.
   5. rank logging (`train.rank.update_ranks`, host SVDs of W - W0, params fetched from the device) once every
      --rank-every steps (the base config's eval interval; `train.rank_every` is 0, off, by default), as a fraction
      of the training time between two logs.
@@ -37,7 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _util import interleave, load_line
+from _util import interleave, load_line, xla_flops
 
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
@@ -85,8 +87,12 @@ def products(model, params, batch, rounds: int) -> dict:
         fn()
     t = {k: float(np.median(s[:, 0])) for k, s in interleave(cases, rounds).items()}
     t["stacked hvp"] = t.pop("32 stacked hvps") / 32
+    g = xla_flops(jax.grad(loss), params)
+    flops = {"gradient": g, "hvp": xla_flops(lambda p, w: hs.hvp(loss, p, w), params, v),
+             "hvp linearized": xla_flops(hs.hvp_fn(loss, params), v)}
     return {"num_params": n, "seconds": t, "per_second": {k: 1 / s for k, s in t.items()},
-            "hvp_over_gradient": t["hvp"] / t["gradient"]}
+            "hvp_over_gradient": t["hvp"] / t["gradient"], "flops": flops,
+            "flops_over_gradient": {k: f / g for k, f in flops.items()}}
 
 
 def error_vs_budget(d_model: int, budgets: list[int], repeats: int) -> dict:
@@ -142,12 +148,14 @@ def step_ratios(model, params, batch, rounds: int) -> dict:
              "trace_penalty fisher, 1 probe": fo.trace_penalty_objective(fo.FlatConfig(method="trace_penalty")),
              "trace_penalty hutchinson, 1 probe": fo.trace_penalty_objective(
                  fo.FlatConfig(method="trace_penalty", penalty="hutchinson"))}
-    states, cases = {}, {}
+    states, cases, flops = {}, {}, {}
     for name, objective in kinds.items():
-        step = jax.jit(functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0,
-                                         objective=objective, dropout=True), donate_argnums=0)
+        fn = functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, objective=objective,
+                               dropout=True)
+        step = jax.jit(fn, donate_argnums=0)
         states[name] = {"step": jnp.zeros((), jnp.int32), "params": jax.tree.map(jnp.copy, params),
                         "opt_state": optimizer.init(params)}
+        flops[name] = xla_flops(fn, states[name], batch)
 
         def call(name=name, step=step):
             states[name], metrics = step(states[name], batch)
@@ -158,6 +166,7 @@ def step_ratios(model, params, batch, rounds: int) -> dict:
     samples = interleave(cases, rounds)
     t = {k: float(np.median(s[:, 0])) for k, s in samples.items()}
     return {"seconds": t, "ratio": {k: t[k] / t["plain"] for k in t},
+            "flops": flops, "flops_ratio": {k: f / flops["plain"] for k, f in flops.items()},
             "ratio_range": {k: [float(x) for x in np.percentile(samples[k][:, 0] / samples["plain"][:, 0], [0, 100])]
                             for k in t}}
 
@@ -213,10 +222,11 @@ def main(argv=None) -> dict:
     print(f"{out['backend']} ({out['device']}); {out['machine']}")
     print(f"Bert d_model {s['d_model']}, {s['layers']} layers, batch {s['batch']} x T={s['T']}, "
           f"{prod['num_params']:,} parameters")
-    print("\n1. products per second (median of interleaved rounds)")
+    print("\n1. products per second (median of interleaved rounds); XLA's FLOPs in gradients")
     for k, v in prod["per_second"].items():
-        print(f"   {k:<16} {v:10.1f}/s  ({prod['seconds'][k] * 1e3:.2f} ms)")
-    print(f"   one HVP = {prod['hvp_over_gradient']:.2f} gradients")
+        f = prod["flops_over_gradient"].get(k)
+        print(f"   {k:<16} {v:10.1f}/s  ({prod['seconds'][k] * 1e3:.2f} ms)" + (f"  {f:.2f}x FLOPs" if f else ""))
+    print(f"   one HVP = {prod['hvp_over_gradient']:.2f} gradients by time")
     print(f"\n2. median relative error |est - Tr(H)| / |Tr(H)| over {a.repeats} keys; Bert d_model {a.exact_d_model}, "
           f"1 layer, {err['num_params']:,} parameters, exact Tr(H) = {err['exact_trace']:.6g} "
           f"({err['exact_seconds']:.0f} s)")
@@ -229,10 +239,12 @@ def main(argv=None) -> dict:
           f"{lo:.1f}-{hi:.1f}; first call, compiling: {lan['first_call_seconds']:.1f} s); "
           f"top 3 {np.round(lan['top3'], 4).tolist()} "
           f"± {np.round(lan['residual3'], 4).tolist()}")
-    print("\n4. train step, median ms and x plain (range over rounds)")
+    print("\n4. train step, median ms and x plain (range over rounds); XLA's FLOPs x plain (the floor of the ratio "
+          "unless the step runs its FLOPs faster than the plain one)")
     for k, t in steps["seconds"].items():
         lo, hi = steps["ratio_range"][k]
-        print(f"   {k:<36}{t * 1e3:9.1f} ms {steps['ratio'][k]:6.2f}x ({lo:.2f}-{hi:.2f})")
+        print(f"   {k:<36}{t * 1e3:9.1f} ms {steps['ratio'][k]:6.2f}x ({lo:.2f}-{hi:.2f})  "
+              f"{steps['flops_ratio'][k]:5.2f}x FLOPs ({steps['flops'][k] / 1e9:.2f} GFLOP)")
     print(f"\n5. rank logging: {rk['seconds'] * 1e3:.1f} ms per log, every {rk['every']} steps = "
           f"{100 * rk['overhead']:.2f} % of the training time")
     print("\ngoals")
