@@ -193,6 +193,40 @@ def test_sample_length_histogram_matches_exact_distribution(layered):
     assert exact.sum() == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("name", ["dense", "layered", "released"])
+def test_guided_rule_draws_are_the_binary_search_draws(name, request):
+    """The sampler's guide table + short scan picks, for every (symbol, u), the rule np.searchsorted(edge, symbol +
+    u, side="right") picks (the inverse CDF it replaced): random points, every bucket start, the float just below
+    each bucket start and just below each edge, so a corpus drawn from a seed is the same as before."""
+    from flatlm.languages.pcfg.sample import Sampler
+
+    g = random_grammar(0) if name == "released" else request.getfixturevalue(name)
+    sp = Sampler(g.root, g.binary, g.emit)
+    rng = np.random.default_rng(0)
+    N, G = sp.N, sp.GUIDE
+    starts = np.arange(G) / G
+    edge_sym = np.ceil(sp.edge).astype(np.int64) - 1  # edges of symbol A lie in (A, A + 1]
+    sym = np.concatenate([rng.integers(0, N, 100_000), np.repeat(np.arange(N), G), np.repeat(np.arange(N), G),
+                          edge_sym, edge_sym])
+    u = np.concatenate([rng.random(100_000), np.tile(starts, N), np.nextafter(np.tile(starts, N), -1).clip(0),
+                        np.nextafter(sp.edge - edge_sym, 0), (sp.edge - edge_sym) % 1.0])
+    want = np.minimum(np.searchsorted(sp.edge, sym + u, side="right"), sp.edge.size - 1)
+
+    class Fixed:  # rng.random(n) -> the points above
+        def random(self, n):
+            return u
+
+    np.testing.assert_array_equal(sp._rules(Fixed(), sym), want)
+    # a table with edges at and just above every bucket start, where a scan that started too far would skip one
+    offsets = np.unique(np.concatenate([starts[1:], starts[1:] + 1e-12, [1.0]]))
+    sp.edge = (np.arange(N)[:, None] + offsets[None, :]).reshape(-1)
+    sp._guide_table(N)
+    sym = np.repeat(np.arange(N), 2 * G)
+    u = np.tile(np.concatenate([starts, starts + 5e-13]), N)
+    want = np.minimum(np.searchsorted(sp.edge, sym + u, side="right"), sp.edge.size - 1)
+    np.testing.assert_array_equal(sp._rules(Fixed(), sym), want)
+
+
 def test_sample_returns_parse_trees(layered):
     """The latent tree arrays describe a derivation of each sentence with positive probability."""
     corpus = layered.sample(200, seed=11)

@@ -33,14 +33,36 @@ class Sampler:
         self.right = np.asarray(right, np.int32)
         self.word = np.asarray(word, np.int32)
         self.edge = np.asarray(prob, np.float64)
+        self._guide_table(N)
         support = np.flatnonzero(root_N)
         c = np.cumsum(root_N[support]) / root_N[support].sum()
         c[-1] = 1.0
         self.root_support, self.root_cum = support.astype(np.int32), c
         self.V, self.N = V, N
 
+    GUIDE = 64  # guide-table buckets per symbol
+
+    def _guide_table(self, N: int) -> None:
+        """guide[A, g]: the rule where a search for a point in bucket [A + g/G, A + (g+1)/G) may start, i.e. the
+        first rule whose edge exceeds a point just below the bucket's start (1e-9 below: below every float
+        A + u with u >= g / G, whatever the rounding), so `_rules` scans a rule or two instead of a binary search
+        over the whole table (31 % of the stream source's time), with the same result."""
+        g = np.arange(self.GUIDE) / self.GUIDE
+        points = (np.arange(N)[:, None] + g[None, :]).reshape(-1) - 1e-9
+        self.guide = np.searchsorted(self.edge, points, side="right").reshape(N, self.GUIDE).astype(np.int64)
+        self.edge_inf = np.append(self.edge, np.inf)  # a sentinel the scan stops at
+
     def _rules(self, rng, sym):
-        r = np.searchsorted(self.edge, sym + rng.random(sym.size), side="right")
+        """Index of the rule drawn for each symbol: the first edge > sym + u (inverse CDF, u uniform in [0, 1)),
+        as np.searchsorted(edge, sym + u, side="right") finds it."""
+        u = rng.random(sym.size)
+        x = sym + u
+        r = self.guide[sym, (u * self.GUIDE).astype(np.int64)]
+        while True:
+            behind = self.edge_inf[r] <= x
+            if not behind.any():
+                break
+            r = r + behind
         return np.minimum(r, self.edge.size - 1)
 
     def draw(self, rng, m: int, cap: int) -> dict[str, np.ndarray]:
