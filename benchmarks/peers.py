@@ -70,7 +70,7 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
     if mods is None:
         return {"skipped": why}
     g = dense_grammar(0, max_length=T, batch_size=small)
-    g_big = dense_grammar(0, max_length=T)  # flatlm at its best: its default chunk of 8 sentences
+    g_big = dense_grammar(0, max_length=T)  # flatlm at its best: its default chunk of 16 sentences
     tokens = np.random.default_rng(0).integers(0, g.vocab_size, (big, T)).astype(np.int32)
     lens = np.full(big, T)
     ours = g.conditionals(tokens[:small], lens[:small])
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="round-robin samples per case (>= 5 for the report)")
     ap.add_argument("--only", default="pcfg,hmm,hessian")
     ap.add_argument("--pcfg-batch", type=int, default=4, help="the batch both PCFG sides run at")
-    ap.add_argument("--pcfg-big-batch", type=int, default=256, help="flatlm's own PCFG batch (chunks of 8)")
+    ap.add_argument("--pcfg-big-batch", type=int, default=256, help="flatlm's own PCFG batch (chunks of 16)")
     ap.add_argument("--pcfg-length", type=int, default=32)
     ap.add_argument("--hmm-batch", type=int, default=4096)
     ap.add_argument("--json", action="store_true")

@@ -150,6 +150,33 @@ def test_conditionals_float32_relative_1e5(name, request):
         np.testing.assert_allclose(q[b, : len(words)], ref, rtol=1e-5, atol=1e-5 * ref.max())
 
 
+def test_wide_blocks_contracted_by_dot_general_match_parse_tree_sums():
+    """Blocks whose children both have more than chart._DENSE_BLOCK symbols sum their outer products over splits
+    by one batched dot (and the outside pass contracts them by einsum): float64 against the parse-tree sums,
+    float32 to 1e-5, for a dense N=20 grammar with masked words and sentences of every length."""
+    from flatlm.languages.pcfg import chart
+
+    g = dense_grammar(1, num_nonterminals=chart._DENSE_BLOCK + 4, num_words=3, emit_prob=0.4, max_length=5,
+                      batch_size=8, bucket_lengths=False)
+    wide = [k for spec in g._plan(5).widths.values() for k in spec.blocks
+            if min(k.l1 - k.l0, k.r1 - k.r0) > chart._DENSE_BLOCK]
+    assert wide, "the grammar must exercise the dot_general path"
+    rng = np.random.default_rng(4)
+    lengths = np.array([5, 5, 4, 3, 2, 1, 5, 3], np.int32)
+    tokens = rng.integers(0, g.vocab_size, (8, 5)).astype(np.int32)
+    tokens[1, 2] = tokens[6, 0] = special_ids(g.vocab_size).mask
+    tokens = garbage_padded(rng, tokens, lengths, g.vocab_size)
+    tokens[1, 2] = tokens[6, 0] = special_ids(g.vocab_size).mask
+    q32 = g.conditionals(tokens, lengths)
+    with jax.enable_x64(True):
+        log_prob, q = g.log_prob(tokens, lengths), g.conditionals(tokens, lengths)
+    for b, words in enumerate(sentences_of(tokens, lengths, g.vocab_size)):
+        ref = ref_conditionals(g, words)
+        assert log_prob[b] == pytest.approx(np.log(ref_prob(g, words)), rel=1e-10)
+        np.testing.assert_allclose(q[b, : len(words)], ref, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(q32[b, : len(words)], ref, rtol=1e-5, atol=1e-5 * ref.max())
+
+
 def test_log_prob_of_every_string_sums_to_length_distribution(dense, layered):
     """Enumerate every string of each length: sum_x P(x) = P(length), for the JAX inside pass (log_prob),
     the all-ones-leaf pass (length_distribution) and the numpy recursion."""

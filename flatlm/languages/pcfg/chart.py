@@ -25,6 +25,7 @@ def _tree(op, xs: list):
 
 
 _TREE_TERMS = 16  # contractions over at most this many terms are unrolled; longer ones use dot_general
+_DENSE_BLOCK = 16  # inside-pass blocks whose children both have more symbols: outer products summed by dot_general
 
 
 def _normalise(new_IBN):
@@ -105,9 +106,14 @@ class Chart:
         left, right, _, top_IB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:
-            outer_IBLR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
-                                         * right[:, :, d - spec.d0, None, k.r0:k.r1]
-                                         for d in range(k.d0, k.d1 + 1)])
+            if min(k.l1 - k.l0, k.r1 - k.r0) > _DENSE_BLOCK:  # sum over splits of outer products: batched matmuls
+                a, b = k.d0 - spec.d0, k.d1 - spec.d0 + 1
+                outer_IBLR = jnp.einsum("ibdl,ibdr->iblr", left[:, :, a:b, k.l0:k.l1], right[:, :, a:b, k.r0:k.r1],
+                                        precision=jax.lax.Precision.HIGHEST)
+            else:  # small blocks: one fused elementwise loop
+                outer_IBLR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
+                                             * right[:, :, d - spec.d0, None, k.r0:k.r1]
+                                             for d in range(k.d0, k.d1 + 1)])
             pairs.append(outer_IBLR.reshape(I * B, -1))
         pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
         new_IBN = _dot(pairs_MP, self.consts["G"][w]).reshape(I, B, N)

@@ -68,10 +68,12 @@ def dense_grammar(seed: int, num_nonterminals: int = 50, num_words: int = 200, e
                   max_length: int = 32, **kwargs) -> PCFG:
     """Every rule A -> B C and A -> w has positive probability (uniform weights); recursive, so capped.
 
-    Inference chunks default to 8 sentences (`batch_size`): a dense chart is T^2 N floats a sentence (200 kB at
-    N=50, T=32), and 8 keep it in cache: 233 sentences/s at T=32 on 2 cores, against 183 with the sparse
-    grammars' 64 (benchmarks/peers.py)."""
-    kwargs.setdefault("batch_size", 8)
+    Inference chunks default to 16 sentences (`batch_size`): a dense chart is T^2 N floats a sentence (200 kB
+    at N=50, T=32), so small chunks stay in cache, while the inside pass's split sums (batched dots since its
+    50-symbol blocks go through dot_general) want rows. Conditionals at T=32, B256 on 2 cores, one process,
+    chunks timed round-robin: 16 -> 310 sentences/s, 12 -> 296, 8 -> 282, 24 and 32 slower (the sparse grammars'
+    64 gave 183 with the older elementwise split sums)."""
+    kwargs.setdefault("batch_size", 16)
     rng = np.random.default_rng(seed)
     N, V = num_nonterminals, num_words
     binary = rng.uniform(size=(N, N, N))
