@@ -32,6 +32,7 @@ from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
 from flatlm import data as data_lib
 from flatlm import languages, models, paths, sharding
+from flatlm.compile_options import run_once
 from flatlm.config import check_choice, check_positive
 from flatlm.data import builder as builder_lib
 from flatlm.data import pipeline
@@ -271,7 +272,7 @@ class Run:
         fine-tuning them is the "no pre-training" control (`eval.finetune.from_init`)."""
         init = lambda key: nn.unbox(init_boxed(self.model, self.language.max_length, key))  # noqa: E731
         with sharding.activated(self.mesh, self.rules):
-            return jax.jit(init, out_shardings=self.param_shardings)(jax.random.key(self.config.seed))
+            return run_once(init, jax.random.key(self.config.seed), out_shardings=self.param_shardings)
 
     def eval_batches(self, batch_size: int | None = None, limit: int | None = None):
         """Validation batches (tokens, length, exact conditionals q), in order: all of them in every process, so

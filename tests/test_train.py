@@ -29,6 +29,38 @@ def test_tiny_config_exact_kl_falls(tmp_path, tiny_config):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["30", "60"]
 
 
+def test_init_compiled_for_compile_time_draws_the_default_builds_bits(tmp_path, tiny_config):
+    """init_state and Run.init_params compile with flatlm.compile_options.ONE_SHOT (fusion emitters off, LLVM -O1):
+    every parameter and AdamW leaf is bitwise what XLA's default build draws (at -O0 the floats differ in the last
+    bit); an option this XLA does not know is dropped, not fatal."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from flatlm import compile_options, sharding
+    from flatlm.run import build_run
+    from flatlm.train import loop
+
+    run = build_run(tiny_config, str(tmp_path))
+    setup = loop.train_setup(run)
+    state = loop.init_state(run, setup)
+
+    def init(key):
+        return {"step": jnp.zeros((), jnp.int32), **nn.unbox(loop._init_boxed(key, run, setup.optimizer))}
+
+    with sharding.activated(run.mesh, run.rules):
+        default = jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(run.config.seed))
+    assert jax.tree.structure(state) == jax.tree.structure(default)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(default)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(run.init_params()), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.ones(3))
+    exe = compile_options.compile_lowered(lowered, {"xla_no_such_option": True, **compile_options.ONE_SHOT})
+    np.testing.assert_array_equal(exe(jnp.ones(3)), 2.0)
+    assert compile_options._unknown == {"xla_no_such_option"}  # the known ones are still passed
+
+
 STEP_SCRIPT = r"""
 import json, re, sys
 import jax, numpy as np

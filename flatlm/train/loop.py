@@ -32,6 +32,7 @@ from flatlm import config as config_lib
 from flatlm import locks, paths, sharding
 from flatlm import run as run_lib
 from flatlm import train as train_lib
+from flatlm.compile_options import run_once
 from flatlm.data import pipeline
 from flatlm.errors import NonFiniteLoss, Preempted, UserError
 from flatlm.evaluate.runner import run_exact_loss
@@ -94,7 +95,7 @@ def init_state(run: Run, setup: TrainSetup) -> dict:
         return {"step": jnp.zeros((), jnp.int32), **nn.unbox(_init_boxed(key, run, setup.optimizer))}
 
     with sharding.activated(run.mesh, run.rules):
-        return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(run.config.seed))
+        return run_once(init, jax.random.key(run.config.seed), out_shardings=setup.state_shardings)
 
 
 def jit_train_step(run: Run, setup: TrainSetup, objective=mlm_objective):

@@ -17,17 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm.compile_options import CHART, compile_lowered
 from flatlm.languages.base import special_ids
 from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES
 from flatlm.languages.pcfg.plan import Plan
 
-# The charts are unrolled over widths (hundreds of small fusions): XLA:CPU's newer fusion emitters and
-# LLVM -O3 each about double the compile time of these kernels, for no measurable speed.
-_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
-
 
 class Compiled:
-    """A kernel compiled ahead of time per argument shape, with `_COMPILER_OPTIONS` where XLA knows them.
+    """A kernel compiled ahead of time per argument shape, with `flatlm.compile_options.CHART` where XLA knows them.
 
     `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
     one call needs compile in parallel on a multi-core host.
@@ -36,21 +33,13 @@ class Compiled:
     def __init__(self, fn):
         self.jitted = jax.jit(fn)
         self.executables: dict = {}
-        self.options = dict(_COMPILER_OPTIONS)
 
     @staticmethod
     def _key(args) -> tuple:
         return tuple((tuple(np.shape(a)), np.result_type(a).name) for a in jax.tree.leaves(args))
 
     def _compile(self, args):
-        lowered = self.jitted.lower(*args)
-        try:
-            return lowered.compile(compiler_options=self.options)
-        except jax.errors.JaxRuntimeError as e:  # an XLA without these debug options
-            if "compile option" not in str(e):
-                raise
-            self.options = {}
-            return lowered.compile()
+        return compile_lowered(self.jitted.lower(*args), CHART)
 
     def prepare(self, arg_lists: list) -> None:
         """Compile the shapes of these argument tuples that are not compiled yet (in parallel)."""

@@ -1,0 +1,48 @@
+"""XLA compiler options for programs whose compile time outweighs their run time on the CPU backend.
+
+XLA:CPU compiles with its newer fusion emitters and LLVM -O3 by default. Two kinds of flatlm program pay for that
+in seconds of compile and get nothing back:
+- `CHART`: the PCFG chart kernels, unrolled over widths into hundreds of small fusions: both options off about
+  halve their compile time, for no measurable speed (`flatlm.languages.pcfg.engine`).
+- `ONE_SHOT`: programs a process runs once, the parameter initialisation above all. Compiling the tiny config's
+  init (params and AdamW state) took 1.06-1.15 s with XLA's defaults and 0.38-0.43 s with these; the L6-H256
+  init 2.8 -> 2.0 s, its single run 22 -> 47 ms (2-core AMD EPYC, one process, first compiles). LLVM -O1, not -O0:
+  at -O0 the drawn floats differed from the default build's in the last bit (7e-9; the golden runs would change),
+  at -O1 every parameter and optimizer leaf is bitwise the same (tiny PCFG, HMM, OPT, cpu PCFG and L6-H256 BERT
+  configs; `tests/test_train.py` checks the tiny one).
+
+The train and evaluation steps keep XLA's defaults: they run thousands of times, and with the fusion emitters off
+the L4-H128 train step compiled slower (3.0 -> 4.5 s), not faster.
+"""
+
+from __future__ import annotations
+
+import jax
+
+CHART = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
+ONE_SHOT = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+
+_unknown: set[str] = set()  # option names this XLA rejected: not passed again
+
+
+def compile_lowered(lowered, options: dict):
+    """`lowered.compile` with `options`, or without those this XLA does not know (a newer or older jaxlib)."""
+    options = {k: v for k, v in options.items() if k not in _unknown}
+    while True:
+        try:
+            return lowered.compile(compiler_options=options or None)
+        except jax.errors.JaxRuntimeError as e:  # "No such compile option: 'NAME'"; a bad value is a bug: raised
+            name = next((k for k in options if f"'{k}'" in str(e)), None)
+            if "No such compile option" not in str(e) or name is None:
+                raise
+            _unknown.add(name)
+            del options[name]
+
+
+def run_once(fn, *args, **jit_kwargs):
+    """fn(*args) jitted with `jit_kwargs` (shardings, ...), compiled with `ONE_SHOT` on the CPU backend and with
+    XLA's defaults elsewhere (an accelerator's compile is not the CPU's). Call it where `jax.jit(fn)(*args)` would
+    be (inside the same sharding context); it keeps no compiled program."""
+    lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    options = ONE_SHOT if jax.default_backend() == "cpu" else {}
+    return compile_lowered(lowered, options)(*args)
