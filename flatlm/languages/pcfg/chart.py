@@ -116,7 +116,7 @@ class Chart:
                                              for d in range(k.d0, k.d1 + 1)])
             pairs.append(outer_IBLR.reshape(I * B, -1))
         pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
-        new_IBN = _dot(pairs_MP, self.consts["G"][w]).reshape(I, B, N)
+        new_IBN = _dot(pairs_MP, self.consts["G_in"][w])[:, :N].reshape(I, B, N)
         beta_IBN, s_IB = _normalise(new_IBN)
         self.scale[w] = s_IB
         new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None]], -1)[:, :, None]

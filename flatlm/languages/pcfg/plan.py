@@ -57,7 +57,10 @@ class Plan:
                 feas_TN[w] |= np.any(rule_NNN & ok_NN[None], axis=(1, 2))
         self.feasible = feas_TN
         self.widths: dict[int, Width] = {}
-        consts = {"G": {}}
+        consts = {"G": {}, "G_in": {}}
+        # The inside pass's product pairs [M, P] x G [P, N] runs faster with N padded by zero columns to a multiple
+        # of 16 (XLA:CPU's GEMM tiles): [256, 2500] x [2500, 50] took 0.38-0.59 ms, x [2500, 64] 0.26-0.39 ms.
+        N_in = -(-N // 16) * 16 if N > 16 else N
         for w in range(2, T + 1):
             parents = np.flatnonzero(feas_TN[w])
             if parents.size == 0:
@@ -78,7 +81,9 @@ class Plan:
                 blocks.append(Block(int(l0), int(l1), int(r0), int(r1), int(d_used.min()), int(d_used.max())))
                 cols.append(G_NLR.reshape(N, -1).T)
             self.widths[w] = Width(int(splits.min()), int(splits.max()), blocks)
-            consts["G"][w] = jnp.asarray(np.concatenate(cols, 0), dtype)  # [sum of block sizes, N]
+            G_PN = np.concatenate(cols, 0)  # [P = sum of block sizes, N]
+            consts["G"][w] = jnp.asarray(G_PN, dtype)  # the outside pass's (contracted over N: no padding)
+            consts["G_in"][w] = jnp.asarray(np.pad(G_PN, ((0, 0), (0, N_in - N))), dtype)  # [P, N_in]
         self.N, self.V = N, int(emit_NV.shape[1])
         self.leaf_total = emit_NV.sum(1)
         consts["root"] = jnp.asarray(root_N, dtype)
