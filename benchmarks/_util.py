@@ -76,17 +76,23 @@ def time_once(fn: Callable[[], object], reps: int = 1) -> tuple[float, float]:
 
 
 def interleave(cases: dict[str, Callable[[], object]], rounds: int,
-               min_sample_s: float = 0.2) -> dict[str, np.ndarray]:
+               min_sample_s: float = 0.2, settle_s: float = 0.0) -> dict[str, np.ndarray]:
     """Time every case round-robin, `rounds` samples each: {name: float[rounds, 2]} of (wall, cpu) s per call.
 
     Each case must block until its work is done, and should be warm (compiled, called once). The first round
     calls every case once; later rounds repeat a fast case until a sample lasts about `min_sample_s`, so that
-    every case sees the same stretch of machine load as its neighbours.
+    every case sees the same stretch of machine load as its neighbours. `settle_s` > 0: before each sample an
+    untimed pause, then one untimed call, for peers whose idle threads keep spinning after a call (torch's OpenMP
+    pool): they would take cores from the case that follows, and after a pause they run their next call slower
+    (Torch-Struct 2.0 instead of 2.9 sent/s): each case is then timed as it runs back to back, on a quiet machine.
     """
     reps = dict.fromkeys(cases, 1)
     out = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
+            if settle_s > 0:
+                time.sleep(settle_s)
+                fn()
             out[name].append(time_once(fn, reps[name]))
         for name in cases:
             reps[name] = max(1, min(50, int(np.ceil(min_sample_s / max(out[name][0][0], 1e-6)))))

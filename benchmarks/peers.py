@@ -7,8 +7,10 @@ pyhessian); a pair whose peer does not import is skipped with the reason. Pairs,
 - PCFG: exact conditionals q[b, t, w] of a dense N=50 grammar on sentences of exactly T=32 words, flatlm's
   `PCFG.conditionals` against Torch-Struct (`SentCFG`: log-partition + its gradient with respect to the
   preterminal potentials = the posteriors, turned into word conditionals by one [T, N] x [N, V] product). The
-  dense grammar maps exactly onto `SentCFG` (preterminal P_B is "B spanning one word"). Both at Torch-Struct's
-  batch (4: it needs ~3.4 GB there), and flatlm also at its own batch; the outputs are compared.
+  dense grammar maps exactly onto `SentCFG` (preterminal P_B is "B spanning one word"). Both at batch 4
+  (Torch-Struct needs ~3.4 GB there, ~7 GB at 8), Torch-Struct also at batch 1 (its fastest per sentence on the
+  2-core machines: 3.40 sent/s at B1, 3.18 at B2, 2.94 at B4 and B8), flatlm also at its own batch; the outputs
+  are compared. The goal's ratio is each side at its best.
 - HMM: state posteriors P(z_t | x) of the paper's HMM (K=100, V=200, T=16), flatlm's `HMM.state_posteriors`
   against hmmlearn's `CategoricalHMM.predict_proba`, same sentences, same batch; outputs compared. flatlm's
   word conditionals (what the exact loss needs) are timed too.
@@ -77,15 +79,20 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
     theirs = torch_struct_conditionals(g, tokens[:small])
     cases = {"flatlm": lambda: g.conditionals(tokens[:small], lens[:small]),
              "torch_struct": lambda: torch_struct_conditionals(g, tokens[:small]),
+             "torch_struct_1": lambda: torch_struct_conditionals(g, tokens[:1]),  # its fastest per sentence here
              "flatlm_big": lambda: g_big.conditionals(tokens, lens)}
     cases["flatlm_big"]()
-    s = interleave(cases, rounds)
+    cases["torch_struct_1"]()
+    s = interleave(cases, rounds, settle_s=0.5)  # flatlm at B256 right after Torch-Struct: 236 sent/s, else 320
+    sizes = {"flatlm_big": big, "torch_struct_1": 1}
+    sent_per_s = {k: sizes.get(k, small) / float(np.median(v[:, 0])) for k, v in s.items()}
+    peer_best = max(sent_per_s["torch_struct"], sent_per_s["torch_struct_1"])
     return dict(batch=small, big_batch=big, T=T, max_abs_diff=float(np.abs(ours - theirs).max()),
-                sent_per_s={k: (big if k == "flatlm_big" else small) / float(np.median(v[:, 0])) for k, v in s.items()},
+                sent_per_s=sent_per_s,
                 speedup_wall=paired_ratio(s["torch_struct"], s["flatlm"], 0),
                 speedup_cpu=paired_ratio(s["torch_struct"], s["flatlm"], 1),
-                speedup_big_wall=(float(np.median(s["torch_struct"][:, 0]) / small)
-                                  / (float(np.median(s["flatlm_big"][:, 0])) / big)))
+                speedup_big_wall=sent_per_s["flatlm_big"] / sent_per_s["torch_struct"],
+                speedup_best_wall=sent_per_s["flatlm_big"] / peer_best)
 
 
 # ------------------------------------------------------------------ HMM vs hmmlearn
@@ -231,10 +238,12 @@ def main(argv=None) -> int:
                   f"{sp['flatlm_big']:.1f} at B{r['big_batch']}; Torch-Struct {sp['torch_struct']:.2f} at "
                   f"B{r['batch']}; flatlm/Torch-Struct at equal batch {_fmt(r['speedup_wall'])} wall, "
                   f"{_fmt(r['speedup_cpu'])} CPU-s; flatlm B{r['big_batch']} vs Torch-Struct "
-                  f"B{r['batch']}: {r['speedup_big_wall']:.0f}x; max |q - q_peer| = {r['max_abs_diff']:.1e}",
+                  f"B{r['batch']}: {r['speedup_big_wall']:.0f}x; Torch-Struct at B1 {sp['torch_struct_1']:.2f} sent/s; "
+                  f"each at its best: {r['speedup_best_wall']:.0f}x; max |q - q_peer| = {r['max_abs_diff']:.1e}",
                   flush=True)
-            print(f"  goals: >= 200 sent/s {'met' if sp['flatlm_big'] >= 200 else 'MISSED'}; >= 100x Torch-Struct "
-                  f"{'met' if r['speedup_big_wall'] >= 100 else 'MISSED'}")
+            print(f"  goals: >= 200 sent/s {'met' if sp['flatlm_big'] >= 200 else 'MISSED'}; >= 100x Torch-Struct, "
+                  f"each at its best {'met' if r['speedup_best_wall'] >= 100 else 'MISSED'}; at equal batch "
+                  f"B{r['batch']} {'met' if r['speedup_wall'][0] >= 100 else 'MISSED'}")
     if "hmm" in which:
         res["hmm"] = r = hmm_pair(args.rounds, args.hmm_batch)
         if "skipped" in r:
