@@ -108,7 +108,10 @@ class Chart:
         for k in spec.blocks:
             if min(k.l1 - k.l0, k.r1 - k.r0) > _DENSE_BLOCK:  # sum over splits of outer products: batched matmuls
                 a, b = k.d0 - spec.d0, k.d1 - spec.d0 + 1
-                outer_IBLR = jnp.einsum("ibdl,ibdr->iblr", left[:, :, a:b, k.l0:k.l1], right[:, :, a:b, k.r0:k.r1],
+                # left as [I, B, L, D], materialised (else XLA folds the transpose back into the dot): a row-major
+                # [L, D] x [D, R] per row runs 1.7x faster than [D, L]^T x [D, R] ([256, 16, 50] operands).
+                left_IBLD = jax.lax.optimization_barrier(jnp.swapaxes(left[:, :, a:b, k.l0:k.l1], 2, 3))
+                outer_IBLR = jnp.einsum("ibld,ibdr->iblr", left_IBLD, right[:, :, a:b, k.r0:k.r1],
                                         precision=jax.lax.Precision.HIGHEST)
             else:  # small blocks: one fused elementwise loop
                 outer_IBLR = _tree(jnp.add, [left[:, :, d - spec.d0, k.l0:k.l1, None]
