@@ -2,14 +2,14 @@
 
 XLA:CPU compiles with its newer fusion emitters and LLVM -O3 by default. Two kinds of flatlm program pay for that
 in seconds of compile and get nothing back:
-- `CHART`: the PCFG chart kernels, unrolled over widths into hundreds of small fusions: both options off about
-  halve their compile time, for no measurable speed (`flatlm.languages.pcfg.engine`).
+- `CHART`: the PCFG chart kernels, unrolled over widths into hundreds of small fusions: the fusion emitters off and
+  LLVM -O2 about halve their compile time, for no measurable speed (`flatlm.languages.pcfg.engine`).
 - `ONE_SHOT`: programs a process runs once, the parameter initialisation above all. Compiling the tiny config's
   init (params and AdamW state) took 1.06-1.15 s with XLA's defaults and 0.38-0.43 s with these; the L6-H256
   init 2.8 -> 2.0 s, its single run 22 -> 47 ms (2-core AMD EPYC, one process, first compiles). LLVM -O1, not -O0:
-  at -O0 the drawn floats differed from the default build's in the last bit (7e-9; the golden runs would change),
-  at -O1 every parameter and optimizer leaf is bitwise the same (tiny PCFG, HMM, OPT, cpu PCFG and L6-H256 BERT
-  configs; `tests/test_train.py` checks the tiny one).
+  at -O0 the drawn floats differed from the default build's in the last bit (7e-9: a seed would no longer give
+  the initial parameters it gave before), at -O1 every parameter and optimizer leaf is bitwise the same (tiny
+  PCFG, HMM, OPT, cpu PCFG and L6-H256 BERT configs; `tests/test_train.py` checks the tiny one).
 
 The train and evaluation steps keep XLA's defaults: they run thousands of times, and with the fusion emitters off
 the L4-H128 train step compiled slower (3.0 -> 4.5 s), not faster.
