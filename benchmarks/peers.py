@@ -82,7 +82,6 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
              "torch_struct_1": lambda: torch_struct_conditionals(g, tokens[:1]),  # its fastest per sentence here
              "flatlm_big": lambda: g_big.conditionals(tokens, lens)}
     cases["flatlm_big"]()
-    cases["torch_struct_1"]()
     s = interleave(cases, rounds, settle_s=0.5)  # flatlm at B256 right after Torch-Struct: 236 sent/s, else 320
     sizes = {"flatlm_big": big, "torch_struct_1": 1}
     sent_per_s = {k: sizes.get(k, small) / float(np.median(v[:, 0])) for k, v in s.items()}

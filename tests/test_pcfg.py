@@ -163,10 +163,8 @@ def test_wide_blocks_contracted_by_dot_general_match_parse_tree_sums():
     assert wide, "the grammar must exercise the dot_general path"
     rng = np.random.default_rng(4)
     lengths = np.array([5, 5, 4, 3, 2, 1, 5, 3], np.int32)
-    tokens = rng.integers(0, g.vocab_size, (8, 5)).astype(np.int32)
-    tokens[1, 2] = tokens[6, 0] = special_ids(g.vocab_size).mask
-    tokens = garbage_padded(rng, tokens, lengths, g.vocab_size)
-    tokens[1, 2] = tokens[6, 0] = special_ids(g.vocab_size).mask
+    tokens = garbage_padded(rng, rng.integers(0, g.vocab_size, (8, 5)), lengths, g.vocab_size)
+    tokens[1, 2] = tokens[6, 0] = special_ids(g.vocab_size).mask  # masked words inside the sentences
     q32 = g.conditionals(tokens, lengths)
     with jax.enable_x64(True):
         log_prob, q = g.log_prob(tokens, lengths), g.conditionals(tokens, lengths)
