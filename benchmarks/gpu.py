@@ -1,6 +1,7 @@
 """Accelerator benchmarks (issue 17's GPU goals): MLM step MFU at L12-H768 bf16, PCFG and HMM conditionals.
 
     python benchmarks/gpu.py [--out results.json] [--small] [--batches 512,4096] [--no-hf] [--hf-modes eager,compile]
+                             [--no-mlm] [--conditionals pcfg-released,pcfg-dense,hmm]
 
 Rows, all measured in one run on the first JAX device:
 - matmul peaks: an 8192^3 bf16 and float32 jitted matmul (the ceilings MFU is read against, next to the
@@ -10,12 +11,15 @@ Rows, all measured in one run on the first JAX device:
   (3 x forward: 24 L D^2 + 4 L T D per token, the head at the predicted positions; `bert_train_flops`) /
   step time / peak;
 - when torch + transformers import and CUDA is there: Hugging Face BertForMaskedLM at the same shape at its
-  best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept);
+  best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept), in a
+  child process with the GPU's memory to itself;
 - exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
   paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out).
 
 Step times are medians of `--rounds` rounds of `--steps` back-to-back steps (dispatch pipelined, one sync per
-round). Never part of the tests: CI has no accelerator. Results for a device go in benchmarks/RESULTS.md.
+round). `--out` is rewritten after every section, so a run cut off by a time limit keeps what it measured. Never
+part of the tests (CI has no accelerator; tests/test_architecture.py only compiles it). Results for a device go in
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -32,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flatlm import compile_options
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
 from flatlm.languages import hmm as hmm_lib
@@ -162,6 +170,21 @@ def hf_step(shape_dl: tuple[int, int], batch_size: int, rounds: int, steps: int,
                 model_tflops=flops / sec / 1e12, torch=torch.__version__, transformers=transformers.__version__)
 
 
+def hf_in_child(batch_size: int, rounds: int, steps: int, modes: list[str]) -> dict:
+    """`hf_step` at L12-H768 in a child process: this process's JAX holds most of the GPU's memory (its pool is
+    not given back), and next to it torch ran out of memory at batch 4096 (2026-11-23 and 2026-11-27, H100)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "hf.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--hf-only", "--out", out, "--hf-batch", str(batch_size),
+               "--hf-modes", ",".join(modes), "--rounds", str(rounds), "--steps", str(steps),
+               "--seq-len", str(SEQ_LEN), "--num-words", str(NUM_WORDS)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"HF child exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
 def throughput(call, n: int, rounds: int = 5) -> dict:
     """Sentences/s of a blocking call on n sentences (median of `rounds` after a compiling first call)."""
     t = time.perf_counter()
@@ -171,28 +194,22 @@ def throughput(call, n: int, rounds: int = 5) -> dict:
     return dict(sentences=n, seconds=sec, sentences_per_s=n / sec, compile_s=max(first - sec, 0.0))
 
 
-def conditionals_rows(small: bool, which: list[str]) -> dict:
-    """Exact conditionals throughput for the released-shape PCFG, a dense PCFG and the paper's HMM."""
-    rows = {}
-    if "pcfg" in which:
-        rows.update(pcfg_rows(small))
-    if "hmm" in which:
-        rows.update(hmm_rows(small))
-    return rows
-
-
-def pcfg_rows(small: bool) -> dict:
-    """The released-shape PCFG and a dense N=50 PCFG at T=32, end to end (host arrays out)."""
-    rows = {}
+def pcfg_released_row(small: bool) -> dict:
+    """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out)."""
     n_pcfg, chunk = (256, 256) if small else (16384, 4096)
     g = random_grammar(0, batch_size=chunk)
     c = g.sample(n_pcfg, seed=1)
-    rows[f"pcfg released-shape, chunk {chunk}"] = throughput(lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)
+    return {f"pcfg released-shape, chunk {chunk}": throughput(
+        lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)}
+
+
+def pcfg_dense_row(small: bool) -> dict:
+    """{row: result} for a dense N=50 PCFG at T=32, end to end (host arrays out)."""
     n_dense = 64 if small else 2048
     d = dense_grammar(0, max_length=32, batch_size=min(n_dense, 512))
     toks = np.random.default_rng(0).integers(0, d.vocab_size, (n_dense, 32)).astype(np.int32)
-    rows["pcfg dense N=50 T=32"] = throughput(lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)
-    return rows
+    return {f"pcfg dense N=50 T=32, chunk {d.batch_size}": throughput(
+        lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)}
 
 
 def hmm_rows(small: bool) -> dict:
@@ -212,17 +229,29 @@ def hmm_rows(small: bool) -> dict:
     return rows
 
 
-def guarded(name: str, fn, out: dict):
-    """Run one section; a failure is recorded (and printed), not fatal to the others."""
+def guarded(name: str, fn, out: dict, save=None):
+    """Run one section into out[name]; a failure is recorded (and printed), not fatal to the others. `save()`
+    runs after it (a run cut off by its time limit keeps what it measured)."""
     try:
         out[name] = fn()
     except Exception as e:  # noqa: BLE001 - one failing section must not lose the others' numbers
         traceback.print_exc()
         out[name] = {"error": f"{type(e).__name__}: {e}"}
+    if save:
+        save()
+
+
+def write_json(obj, path: str | None) -> None:
+    """obj as JSON at `path` (no-op without one), written whole or not at all."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> int:
     """Run every section, write the JSON, print a summary table; returns 0."""
+    global NUM_WORDS, SEQ_LEN  # noqa: PLW0603 - the shape every section uses
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="write all results here as JSON")
     p.add_argument("--small", action="store_true", help="tiny sizes: check the script on a CPU")
@@ -233,37 +262,53 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=None, help="MLM batches, comma-separated (default 512,4096; --small: 8)")
     p.add_argument("--hf-batch", type=int, default=None, help="HF peer batch (default: the last of --batches)")
     p.add_argument("--no-f32", action="store_true", help="skip the float32 step")
-    p.add_argument("--conditionals", default="pcfg,hmm", help="which conditionals rows (pcfg,hmm; '' for none)")
+    p.add_argument("--conditionals", default="pcfg,hmm",
+                   help="which conditionals rows: pcfg (= pcfg-released,pcfg-dense), hmm; '' for none")
+    p.add_argument("--no-mlm", action="store_true", help="skip the matmul peaks and every MLM step row")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per MLM row (default 5; --small: 2)")
+    p.add_argument("--steps", type=int, default=None, help="steps per round (default 10; --small: 2)")
+    p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # hf_in_child's entry point
     args = p.parse_args(argv)
-    global NUM_WORDS, SEQ_LEN  # noqa: PLW0603 - the shape every section uses
+    rows = {"pcfg-released": pcfg_released_row, "pcfg-dense": pcfg_dense_row, "hmm": hmm_rows}
+    which = [w for w in args.conditionals.split(",") if w]
+    which = [x for w in which for x in (["pcfg-released", "pcfg-dense"] if w == "pcfg" else [w])]
+    if unknown := [w for w in which if w not in rows]:
+        p.error(f"--conditionals: unknown row(s) {', '.join(unknown)}; choose from pcfg, {', '.join(rows)}")
     NUM_WORDS, SEQ_LEN = args.num_words, args.seq_len
+    rounds, steps = args.rounds or (2 if args.small else 5), args.steps or (2 if args.small else 10)
+    if args.hf_only:  # the child: torch alone on the GPU, JAX never initialised
+        write_json(hf_step((12, 768), args.hf_batch, rounds, steps, args.hf_modes.split(",")), args.out)
+        return 0
     dev = jax.devices()[0]
-    res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__}
+    res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "chart_options": dict(compile_options.CHART)}
     if dev.platform == "cpu" and not args.small:
         print("benchmarks/gpu.py: no accelerator, skipped (results on one: benchmarks/RESULTS.md; "
               "--small checks the script on a CPU)")
         return 0
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
+    save = functools.partial(write_json, res, args.out)
     n = 512 if args.small else 8192
-    guarded("matmul_bf16_tflops", lambda: matmul_tflops(n, jnp.bfloat16), res)
-    guarded("matmul_f32_tflops", lambda: matmul_tflops(n, jnp.float32), res)
     shape = "L1-H64" if args.small else "L12-H768"
-    batches = [int(b) for b in (args.batches or ("8" if args.small else "512,4096")).split(",")]
-    rounds, steps = (2, 2) if args.small else (5, 10)
-    cases = [(b, "bfloat16", True) for b in batches] + [(batches[-1], "bfloat16", False)]
-    cases += [] if args.no_f32 else [(batches[0], "float32", True)]
-    for batch, dtype, dropout in cases:
-        guarded(f"flatlm {shape} B{batch} {dtype} dropout={dropout}",
-                functools.partial(flatlm_step, shape, batch, dtype, dropout, rounds, steps), res)
-    if not args.no_hf and dev.platform == "gpu":
-        hb = args.hf_batch or batches[-1]
-        guarded(f"hf {shape} B{hb} bf16 autocast",
-                lambda: hf_step((12, 768), hb, rounds, steps, args.hf_modes.split(",")), res)
-    if args.conditionals:
-        guarded("conditionals", lambda: conditionals_rows(args.small, args.conditionals.split(",")), res)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    if not args.no_mlm:
+        guarded("matmul_bf16_tflops", lambda: matmul_tflops(n, jnp.bfloat16), res, save)
+        guarded("matmul_f32_tflops", lambda: matmul_tflops(n, jnp.float32), res, save)
+        batches = [int(b) for b in (args.batches or ("8" if args.small else "512,4096")).split(",")]
+        cases = [(b, "bfloat16", True) for b in batches] + [(batches[-1], "bfloat16", False)]
+        cases += [] if args.no_f32 else [(batches[0], "float32", True)]
+        for batch, dtype, dropout in cases:
+            guarded(f"flatlm {shape} B{batch} {dtype} dropout={dropout}",
+                    functools.partial(flatlm_step, shape, batch, dtype, dropout, rounds, steps), res, save)
+        if not args.no_hf and dev.platform == "gpu":
+            hb = args.hf_batch or batches[-1]
+            guarded(f"hf {shape} B{hb} bf16 autocast",
+                    lambda: hf_in_child(hb, rounds, steps, args.hf_modes.split(",")), res, save)
+    res["conditionals"] = cond = {}
+    for w in which:  # each section's rows (hmm: two) keyed by their own names; a failure under the section's
+        guarded(w, functools.partial(rows[w], args.small), cond, save)
+        if "error" not in cond[w]:
+            cond.update(cond.pop(w))
+    save()
     vendor = next((v for k, v in VENDOR_BF16_TFLOPS.items() if k in dev.device_kind), None)
     peak = res.get("matmul_bf16_tflops")
     print(f"\nbf16 matmul {n}^3: {peak if isinstance(peak, float) else peak} TFLOP/s measured; "

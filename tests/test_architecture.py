@@ -158,3 +158,13 @@ def test_one_shape_suffix_convention():
     found = [f"{p.relative_to(PACKAGE.parent)}: {m}" for p in MODULES.values()
              for m in sorted(set(pattern.findall(p.read_text())))]
     assert not found, "\n".join(found)
+
+
+def test_every_benchmark_script_compiles():
+    """`make bench` runs every script in benchmarks/, on a machine with the `bench` extra, and CI runs none of them:
+    a script that does not even compile (gpu.py read a name before its `global` declaration for four days) is
+    caught here. compile() runs the symbol-table pass that raises it, without importing the peers."""
+    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py"))
+    assert len(scripts) >= 10, scripts
+    for path in scripts:
+        compile(path.read_text(), str(path), "exec")
