@@ -4,6 +4,8 @@ XLA:CPU compiles with its newer fusion emitters and LLVM -O3 by default. Two kin
 in seconds of compile and get nothing back:
 - `CHART`: the PCFG chart kernels, unrolled over widths into hundreds of small fusions: the fusion emitters off and
   LLVM -O2 about halve their compile time, for no measurable speed (`flatlm.languages.pcfg.engine`).
+  `CHART_SMALL_DOTS` adds XLA:GPU's GEMM autotuning off, for charts without wide blocks (a third of the compile
+  time on an H100; see below).
 - `ONE_SHOT`: programs a process runs once, the parameter initialisation above all. Compiling the tiny config's
   init (params and AdamW state) took 1.06-1.15 s with XLA's defaults and 0.38-0.43 s with these; the L6-H256
   init 2.8 -> 2.0 s, its single run 22 -> 47 ms (2-core AMD EPYC, one process, first compiles). LLVM -O1, not -O0:
@@ -20,6 +22,12 @@ from __future__ import annotations
 import jax
 
 CHART = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
+# XLA:GPU autotunes every dot by compiling candidate kernels for it. A chart of small blocks has many small dots that
+# gain nothing from it: on an H100 (jax 0.11.2, one run each, 2026-11-27) the released-shape grammar compiled in
+# 20.3 s instead of 60.9 s with autotuning off and ran 81.2k vs 83.6k sentences/s, while the dense N=50 grammar,
+# whose wide blocks are batched matmuls, ran 2.7x slower without it (6.9k vs 18.4k): those keep `CHART`. The
+# backends ignore each other's options, so either dict is right on any backend.
+CHART_SMALL_DOTS = CHART | {"xla_gpu_autotune_level": 0}
 ONE_SHOT = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 
 _unknown: set[str] = set()  # option names this XLA rejected: not passed again

@@ -28,6 +28,17 @@ _TREE_TERMS = 16  # contractions over at most this many terms are unrolled; long
 _DENSE_BLOCK = 16  # inside-pass blocks whose children both have more symbols: outer products summed by dot_general
 
 
+def _wide(k) -> bool:
+    """Whether an inside-pass block sums its outer products by batched matmuls (both children > _DENSE_BLOCK)."""
+    return min(k.l1 - k.l0, k.r1 - k.r0) > _DENSE_BLOCK
+
+
+def has_wide_blocks(plan: Plan) -> bool:
+    """Whether any width of `plan` has a block on the batched-matmul path (dense grammars; the released-shape ones
+    have blocks of at most 10 symbols)."""
+    return any(_wide(k) for spec in plan.widths.values() for k in spec.blocks)
+
+
 def _normalise(new_IBN):
     """Divide each span's vector by its max (an all-zero span keeps scale 1). Returns (scaled, scale [I, B])."""
     s_IB = jax.lax.stop_gradient(new_IBN.max(-1))
@@ -106,7 +117,7 @@ class Chart:
         left, right, _, top_IB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:
-            if min(k.l1 - k.l0, k.r1 - k.r0) > _DENSE_BLOCK:  # sum over splits of outer products: batched matmuls
+            if _wide(k):  # sum over splits of outer products: batched matmuls
                 a, b = k.d0 - spec.d0, k.d1 - spec.d0 + 1
                 # left as [I, B, L, D], materialised (else XLA folds the transpose back into the dot): a row-major
                 # [L, D] x [D, R] per row runs 1.7x faster than [D, L]^T x [D, R] ([256, 16, 50] operands).

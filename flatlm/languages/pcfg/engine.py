@@ -17,21 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.compile_options import CHART, compile_lowered
+from flatlm.compile_options import CHART, CHART_SMALL_DOTS, compile_lowered
 from flatlm.languages.base import special_ids
-from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES
+from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES, has_wide_blocks
 from flatlm.languages.pcfg.plan import Plan
 
 
 class Compiled:
-    """A kernel compiled ahead of time per argument shape, with `flatlm.compile_options.CHART` where XLA knows them.
+    """A kernel compiled ahead of time per argument shape, with compiler `options` (`flatlm.compile_options.CHART`
+    by default) where XLA knows them.
 
     `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
     one call needs compile in parallel on a multi-core host.
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, options: dict = CHART):
         self.jitted = jax.jit(fn)
+        self.options = options
         self.executables: dict = {}
 
     @staticmethod
@@ -43,7 +45,7 @@ class Compiled:
                      for a in jax.tree.leaves(args))
 
     def _compile(self, args):
-        return compile_lowered(self.jitted.lower(*args), CHART)
+        return compile_lowered(self.jitted.lower(*args), self.options)
 
     def prepare(self, arg_lists: list) -> None:
         """Compile the shapes of these argument tuples that are not compiled yet (in parallel)."""
@@ -140,8 +142,9 @@ class Engine:
         """The kernel `kind` (a key of `KERNELS`) for charts of T words, called as fn(plan.consts, ...)."""
         plan = self.plan(T)
         key = (kind, T, plan.dtype.name)
-        if key not in self._fns:
-            self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan))
+        if key not in self._fns:  # GEMM autotuning (GPU) only where batched matmuls gain from it
+            options = CHART if has_wide_blocks(plan) else CHART_SMALL_DOTS
+            self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan), options)
         return self._fns[key]
 
     def run(self, kind: str, tokens: np.ndarray, lengths: np.ndarray, batch_size: int,
