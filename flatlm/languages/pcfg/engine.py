@@ -3,7 +3,8 @@ batch of sentences applied in chunks of similar length.
 
 `Engine` holds one `Plan` per chart size and dtype and one `Compiled` kernel per (kind, size, dtype). Kernels
 are compiled ahead of time, several chart sizes at once in threads (`compile_all`), with compiler options that
-halve the compile time of these unrolled charts on CPU. `encode_tokens` validates a batch and maps it to the
+halve the compile time of these unrolled charts on CPU, and on GPU cut it to a third for charts without wide blocks
+(`flatlm.compile_options.CHART_SMALL_DOTS`). `encode_tokens` validates a batch and maps it to the
 leaf table's ids (pad = V, mask = V + 1).
 """
 
