@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm import compile_options
+from flatlm import compile_options, paths
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
 from flatlm.languages import hmm as hmm_lib
@@ -242,11 +242,9 @@ def guarded(name: str, fn, out: dict, save=None):
 
 
 def write_json(obj, path: str | None) -> None:
-    """obj as JSON at `path` (no-op without one), written whole or not at all."""
+    """obj as JSON at `path` (no-op without one), written whole or not at all (`flatlm.paths.write_text`)."""
     if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(path + ".tmp", path)
+        paths.write_text(path, json.dumps(obj, indent=1))
 
 
 def main(argv=None) -> int:
