@@ -279,7 +279,8 @@ def main(argv=None) -> int:
         return 0
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "chart_options": dict(compile_options.CHART)}
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "chart_options": {"CHART (wide blocks)": compile_options.CHART,
+                             "CHART_SMALL_DOTS (the others)": compile_options.CHART_SMALL_DOTS}}
     if dev.platform == "cpu" and not args.small:
         print("benchmarks/gpu.py: no accelerator, skipped (results on one: benchmarks/RESULTS.md; "
               "--small checks the script on a CPU)")
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
             guarded(f"hf {shape} B{hb} bf16 autocast",
                     lambda: hf_in_child(hb, rounds, steps, args.hf_modes.split(",")), res, save)
     res["conditionals"] = cond = {}
-    for w in which:  # each section's rows (hmm: two) keyed by their own names; a failure under the section's
+    for w in which:  # each section's rows (hmm: two) under their own names; a failure under the section's name
         guarded(w, functools.partial(rows[w], args.small), cond, save)
         if "error" not in cond[w]:
             cond.update(cond.pop(w))

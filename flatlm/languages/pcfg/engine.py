@@ -25,14 +25,14 @@ from flatlm.languages.pcfg.plan import Plan
 
 
 class Compiled:
-    """A kernel compiled ahead of time per argument shape, with compiler `options` (`flatlm.compile_options.CHART`
-    by default) where XLA knows them.
+    """A kernel compiled ahead of time per argument shape, with compiler `options` (`flatlm.compile_options`'s
+    `CHART` or `CHART_SMALL_DOTS`, as `Engine.fn` chooses) where XLA knows them.
 
     `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
     one call needs compile in parallel on a multi-core host.
     """
 
-    def __init__(self, fn, options: dict = CHART):
+    def __init__(self, fn, options: dict):
         self.jitted = jax.jit(fn)
         self.options = options
         self.executables: dict = {}
