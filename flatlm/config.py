@@ -77,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
             momentum=0.0,  # SGD
             schedule="linear",  # warmup then linear decay to 0 ("constant": constant after warmup)
             warmup_frac=0.06,
-            grad_clip=0.0,  # 0 -> off
+            grad_clip=0.0, microbatches=1,  # clip 0: off; microbatches k: gradient accumulation (accumulated_grad)
             log_every=50,
             eval_every=250,
             rank_every=0,  # > 0: log rank and top singular values of W - W0 per matrix at evals on these steps

@@ -32,6 +32,12 @@ TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
         (["--config", TINY, "--config.checkpoint.convergence_tol=1.5"], "checkpoint.convergence_tol is a relative"),
         (["--config", TINY, "--config.checkpoint.convergence_max_kl=-0.1"], "checkpoint.convergence_max_kl is in"),
         (["--config", TINY, "--config.checkpoint.convergence_patience=0"], "convergence_patience must be positive"),
+        (["--config", TINY, "--config.train.microbatches=0"], "train.microbatches=0 must be >= 1"),
+        (["--config", TINY, "--config.train.microbatches=5"], "train.microbatches=5 must be >= 1 and divide"),
+        (["--config", TINY, "--config.train.microbatches=2", "--config.train.flat.method=sam"],
+         "not with train.flat.method=sam"),
+        (["--config", TINY, "--config.train.microbatches=2", "--config.train.adversarial.lam=0.5"],
+         "not with train.adversarial"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(args, needle, tmp_path, capsys):
@@ -52,6 +58,15 @@ def test_batch_not_divisible_by_data_axis():
     config.data.batch_size = 63
     config.mesh.data = 2
     with pytest.raises(UserError, match="not divisible by the data axis"):
+        validate(config, num_devices=8)
+
+
+def test_microbatches_must_split_each_data_shard():
+    config = load_config(TINY)  # batch 64
+    config.train.microbatches = 4
+    validate(config, num_devices=8)  # 8 rows a device: 4 slices of 2
+    config.train.microbatches = 16  # divides 64, but not a device's 8 rows
+    with pytest.raises(UserError, match="must divide each data shard's rows"):
         validate(config, num_devices=8)
 
 

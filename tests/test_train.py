@@ -72,9 +72,10 @@ from flatlm.data import pipeline
 from flatlm.run import build_run
 
 results = {}
-for data, model, par in %s:
+for data, model, par, *k in %s:
     c = apply_overrides(load_config(%r), ["--config.mesh.data=%%d" %% data, "--config.mesh.model=%%d" %% model,
-        "--config.mesh.parallelism=" + par, "--config.model.d_model=128", "--config.data.batch_size=32",
+        "--config.mesh.parallelism=" + par, "--config.train.microbatches=%%d" %% (k or [1])[0],
+        "--config.model.d_model=128", "--config.data.batch_size=32",
         "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0"])
     run = build_run(c, %r)
     setup = loop.train_setup(run)
@@ -90,7 +91,8 @@ for data, model, par in %s:
     leaves = jax.tree.leaves(jax.device_get(state["params"]))
     spec = str(state["params"]["layer_0"]["mlp"]["wi"].sharding.spec)
     constraints = sorted(set(re.findall(r"sharding_constraint %%\S+ <@mesh, (.*?)> : tensor<([^>]*)>", hlo)))
-    results["%%dx%%d-%%s" %% (data, model, par)] = dict(loss=float(metrics["train/loss"]), spec=spec,
+    results["%%dx%%d-%%s" %% (data, model, par) + ("-k%%d" %% k[0] if k else "")] = dict(
+        loss=float(metrics["train/loss"]), grad_norm=float(metrics["train/grad_norm"]), spec=spec,
         constraints=constraints, params=[np.asarray(x).ravel()[:64].tolist() for x in leaves])
 print("RESULT" + json.dumps(results))
 """
@@ -104,9 +106,12 @@ def _step_results(meshes, devices, workdir):
 
 def test_train_step_is_the_same_on_1_and_8_devices(tmp_path):
     single = _step_results([(1, 1, "dp")], 1, str(tmp_path))["1x1-dp"]
-    multi = _step_results([(8, 1, "dp"), (8, 1, "fsdp"), (4, 2, "tp"), (2, 4, "tp")], 8, str(tmp_path))
+    # the last: gradient accumulation over a mesh, 2 slices of each device's 4 rows (train.microbatches)
+    multi = _step_results([(8, 1, "dp"), (8, 1, "fsdp"), (4, 2, "tp"), (2, 4, "tp"), (4, 2, "tp", 2)], 8,
+                          str(tmp_path))
     for name, r in multi.items():
         assert r["loss"] == pytest.approx(single["loss"], rel=1e-5), name
+        assert r["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), name
         for a, b in zip(r["params"], single["params"]):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=name)
     assert multi["4x2-tp"]["spec"] == "P(None, 'model')"  # mlp columns split over the model axis

@@ -34,6 +34,15 @@ def validate_config(config) -> None:
                         "set one of them off")
     if adv.active and adv.start_step >= train.steps:
         raise UserError(f"config.train.adversarial.start_step={adv.start_step} must be in [0, train.steps)")
+    k = train.get("microbatches", 1)
+    if k < 1 or config.data.batch_size % k:
+        raise UserError(f"config.train.microbatches={k} must be >= 1 and divide data.batch_size="
+                        f"{config.data.batch_size} (1: no gradient accumulation)")
+    if k > 1 and (adv.active or flat.method in ("sam", "trace_penalty")):
+        which = "train.adversarial (lam > 0 or monitor)" if adv.active else f"train.flat.method={flat.method}"
+        raise UserError(f"config.train.microbatches={k} works with the MLM loss and label noise (means over the "
+                        f"masked tokens), not with {which}, whose loss is not a sum over slices of the batch; "
+                        "set microbatches=1")
     stacking.validate(config)
     if train.get("stacking", {}).get("stages") and parse_blocks(flat.blocks) not in ((ALL,), (ENCODER,)):
         raise UserError(f"config.train.flat.blocks={flat.blocks!r} names blocks, which train.stacking adds stage by "

@@ -49,6 +49,13 @@ def validate(config, num_devices: int | None = None) -> None:
     """Check a whole training config: what opening a run needs (`flatlm.run.validate`) and the train section."""
     run_lib.validate(config, num_devices)
     train_lib.validate_config(config)
+    k = config.train.get("microbatches", 1)
+    if num_devices is not None and k > 1:
+        data = sharding.mesh_shape(config, num_devices)[0]
+        if config.data.batch_size % (data * k):
+            raise UserError(f"config.train.microbatches={k} must divide each data shard's rows (data.batch_size="
+                            f"{config.data.batch_size} over a data axis of {data}); use a batch size that is a "
+                            f"multiple of {data * k} or another microbatches")
     processes = jax.process_count()
     if num_devices is not None and processes > 1:  # each process feeds its own rows of the batch to its devices
         data, model = sharding.mesh_shape(config, num_devices)
@@ -103,7 +110,8 @@ def jit_train_step(run: Run, setup: TrainSetup, objective=mlm_objective):
     c = run.config
     step_fn = functools.partial(train_step, apply_fn=run.apply_fn, optimizer=setup.optimizer, seed=c.seed,
                                 objective=objective, dropout=(c.model.dropout > 0 or
-                                                              getattr(c.model, "attention_dropout", 0) > 0))
+                                                              getattr(c.model, "attention_dropout", 0) > 0),
+                                microbatches=c.train.get("microbatches", 1))
     return jax.jit(step_fn, in_shardings=(setup.state_shardings, sharding.batch_sharding(run.mesh)),
                    out_shardings=(setup.state_shardings, sharding.replicated(run.mesh)), donate_argnums=0)
 
