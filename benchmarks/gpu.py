@@ -1,15 +1,16 @@
 """Accelerator benchmarks (issue 17's GPU goals): MLM step MFU at L12-H768 bf16, PCFG and HMM conditionals.
 
     python benchmarks/gpu.py [--out results.json] [--small] [--batches 512,4096] [--no-hf] [--hf-modes eager,compile]
-                             [--no-mlm] [--conditionals pcfg-released,pcfg-dense,hmm]
+                             [--no-mlm] [--conditionals pcfg-released,pcfg-dense,hmm] [--microbatches 4,8]
 
 Rows, all measured in one run on the first JAX device:
 - matmul peaks: an 8192^3 bf16 and float32 jitted matmul (the ceilings MFU is read against, next to the
   vendor's dense bf16 figure when the device is known);
 - the library's MLM train step (`flatlm.train.step.train_step`, AdamW, real `Bert`) at L12-H768 (BERT-base,
-  Table 3), sequence length 32, bf16 compute with float32 parameters, dropout on and off; MFU = model FLOPs
-  (3 x forward: 24 L D^2 + 4 L T D per token, the head at the predicted positions; `bert_train_flops`) /
-  step time / peak;
+  Table 3), sequence length 32, bf16 compute with float32 parameters, dropout on and off, and with
+  `--microbatches` the largest batch's step in that many slices (gradient accumulation: same update, less
+  memory); each row with XLA's temporaries; MFU = model FLOPs (3 x forward: 24 L D^2 + 4 L T D per token, the head
+  at the predicted positions; `bert_train_flops`) / step time / peak;
 - when torch + transformers import and CUDA is there: Hugging Face BertForMaskedLM at the same shape at its
   best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept), in a
   child process with the GPU's memory to itself;
@@ -92,8 +93,10 @@ def bert_train_flops(d: int, layers: int, ff: int, seq: int, vocab: int, tokens:
     return 3.0 * (per_token * tokens + (2 * d * d + 2 * d * vocab) * head_tokens)
 
 
-def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: int, steps: int) -> dict:
-    """Median step time and MFU of the library's jitted, donated MLM train step."""
+def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: int, steps: int,
+                microbatches: int = 1) -> dict:
+    """Median step time, MFU and XLA's temporaries of the library's jitted, donated MLM train step (with
+    `microbatches` > 1: gradient accumulation over that many slices, `train.microbatches`)."""
     c = base_config()
     c.model.shape, c.model.dtype = shape, dtype
     cfg = model_config(c.model, NUM_WORDS, SEQ_LEN)
@@ -103,8 +106,8 @@ def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: 
     batch = jax.device_put(mask_batch(tokens, np.full(batch_size, SEQ_LEN), NUM_WORDS, rng, masking="bert"))
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((2, SEQ_LEN), jnp.int32))["params"])
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-    fn = jax.jit(functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, dropout=dropout),
-                 donate_argnums=0)
+    fn = jax.jit(functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, dropout=dropout,
+                                   microbatches=microbatches), donate_argnums=0)
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -119,8 +122,9 @@ def flatlm_step(shape: str, batch_size: int, dtype: str, dropout: bool, rounds: 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     flops = bert_train_flops(cfg.d_model, cfg.num_layers, cfg.ff, SEQ_LEN, NUM_WORDS, batch_size * SEQ_LEN,
                              batch["positions"].size)
-    return dict(shape=shape, batch=batch_size, dtype=dtype, dropout=dropout, params=n_params, step_s=sec,
-                tokens_per_s=batch_size * SEQ_LEN / sec, model_tflops=flops / sec / 1e12, compile_s=compile_s)
+    return dict(shape=shape, batch=batch_size, dtype=dtype, dropout=dropout, microbatches=microbatches,
+                params=n_params, step_s=sec, tokens_per_s=batch_size * SEQ_LEN / sec, model_tflops=flops / sec / 1e12,
+                compile_s=compile_s, temp_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30)
 
 
 def hf_step(shape_dl: tuple[int, int], batch_size: int, rounds: int, steps: int, modes: list[str]) -> dict:
@@ -265,6 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlm", action="store_true", help="skip the matmul peaks and every MLM step row")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per MLM row (default 5; --small: 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per round (default 10; --small: 2)")
+    p.add_argument("--microbatches", default="", help="also time the last batch's dropout step split into these "
+                   "slice counts, comma-separated (train.microbatches: gradient accumulation), e.g. 4,8")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # hf_in_child's entry point
     args = p.parse_args(argv)
     rows = {"pcfg-released": pcfg_released_row, "pcfg-dense": pcfg_dense_row, "hmm": hmm_rows}
@@ -293,11 +299,12 @@ def main(argv=None) -> int:
         guarded("matmul_bf16_tflops", lambda: matmul_tflops(n, jnp.bfloat16), res, save)
         guarded("matmul_f32_tflops", lambda: matmul_tflops(n, jnp.float32), res, save)
         batches = [int(b) for b in (args.batches or ("8" if args.small else "512,4096")).split(",")]
-        cases = [(b, "bfloat16", True) for b in batches] + [(batches[-1], "bfloat16", False)]
-        cases += [] if args.no_f32 else [(batches[0], "float32", True)]
-        for batch, dtype, dropout in cases:
-            guarded(f"flatlm {shape} B{batch} {dtype} dropout={dropout}",
-                    functools.partial(flatlm_step, shape, batch, dtype, dropout, rounds, steps), res, save)
+        cases = [(b, "bfloat16", True, 1) for b in batches] + [(batches[-1], "bfloat16", False, 1)]
+        cases += [] if args.no_f32 else [(batches[0], "float32", True, 1)]
+        cases += [(batches[-1], "bfloat16", True, int(k)) for k in args.microbatches.split(",") if k]
+        for batch, dtype, dropout, k in cases:
+            guarded(f"flatlm {shape} B{batch} {dtype} dropout={dropout}" + (f" microbatches={k}" if k > 1 else ""),
+                    functools.partial(flatlm_step, shape, batch, dtype, dropout, rounds, steps, k), res, save)
         if not args.no_hf and dev.platform == "gpu":
             hb = args.hf_batch or batches[-1]
             guarded(f"hf {shape} B{hb} bf16 autocast",
@@ -316,8 +323,10 @@ def main(argv=None) -> int:
         if k.startswith(("flatlm", "hf")) and "error" not in v:
             mfu = v["model_tflops"] / peak if isinstance(peak, float) else float("nan")
             mfu_v = v["model_tflops"] / vendor if vendor else float("nan")
+            temp = f"  temp {v['temp_gib']:.2f} GiB" if "temp_gib" in v else ""
             print(f"{k:42s} {v['step_s'] * 1e3:8.2f} ms/step {v['tokens_per_s']:12,.0f} tok/s "
-                  f"{v['model_tflops']:7.1f} TFLOP/s  MFU {100 * mfu:5.1f}% of measured, {100 * mfu_v:5.1f}% of vendor")
+                  f"{v['model_tflops']:7.1f} TFLOP/s  MFU {100 * mfu:5.1f}% of measured, {100 * mfu_v:5.1f}% of vendor"
+                  + temp)
     for k, v in (res.get("conditionals") or {}).items():
         if isinstance(v, dict) and "sentences_per_s" in v:
             print(f"{k:42s} {v['sentences_per_s']:14,.0f} sent/s  (compile {v['compile_s']:.1f} s)")
