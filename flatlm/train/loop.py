@@ -245,8 +245,10 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
 def _train(config, workdir: str, progress: bool, objective) -> dict:
     run = build_run(config, workdir, quiet=not progress)  # checks what needs the language (eval.tasks)
     if progress and jax.process_index() == 0:
+        k = config.train.get("microbatches", 1)
+        accumulate = f"; each step's gradient over {k} microbatches of {config.data.batch_size // k}" if k > 1 else ""
         print(f"flatlm: {jax.device_count()} {jax.default_backend()} device(s) on {jax.process_count()} process(es); "
-              f"mesh {dict(run.mesh.shape)}", file=sys.stderr)
+              f"mesh {dict(run.mesh.shape)}{accumulate}", file=sys.stderr)
     if jax.process_index() == 0:
         config_lib.save_workdir_config(config, workdir, check_extension=check_extension)
     stages = stacking.Stages(run, train_setup)  # one depth, or one per train.stacking stage
