@@ -59,8 +59,9 @@ def accumulated_grad(objective: Objective, microbatches: int = 1):
     in float32. Aux metrics are the W_m-weighted means of the slices'. Randomness differs from one slice of
     the whole batch: slice m reads fold_in(key, m) for dropout and fold_in(batch["rng"], m) for its draws (same
     distribution, other masks), so with dropout on a run's trajectory depends on `microbatches`.
-    On a mesh XLA reduces each slice's gradient over the data axis (`microbatches` reductions a step, not one:
-    measured in the compiled program, CPU): accumulation buys memory, not speed; spread the batch first.
+    On a mesh XLA reduces each slice's gradient over the data axis, and FSDP gathers the parameters for each slice
+    (`microbatches` times a step, not once: seen in the compiled programs on CPU; the batch's rows never move):
+    accumulation buys memory, not speed; spread the batch over devices first.
     Why not `optax.MultiSteps`: it makes every microbatch an optimizer call, so the step counter, schedules,
     checkpoints and the data iterator would count microbatches, and it averages microbatch gradients with equal
     weights, which is not the batch's gradient when slices hold different numbers of masked tokens.
