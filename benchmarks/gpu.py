@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py [--out results.json] [--small] [--batches 512,4096] [--no-hf] [--hf-modes eager,compile]
                              [--no-mlm] [--conditionals pcfg-released,pcfg-dense,hmm] [--microbatches 4,8]
+                             [--pcfg-chunks 1024,4096,16384] [--dense-chunks 128,512,2048]
 
 Rows, all measured in one run on the first JAX device:
 - matmul peaks: an 8192^3 bf16 and float32 jitted matmul (the ceilings MFU is read against, next to the
@@ -15,7 +16,9 @@ Rows, all measured in one run on the first JAX device:
   best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept), in a
   child process with the GPU's memory to itself;
 - exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
-  paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out).
+  paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out); the PCFG rows at
+  each of `--pcfg-chunks` / `--dense-chunks` (inference chunk sizes; one that runs out of memory is an error row):
+  the sweep a GPU default chunk size would be chosen from (the library's defaults, 64 and 16, are the CPU's).
 
 Step times are medians of `--rounds` rounds of `--steps` back-to-back steps (dispatch pipelined, one sync per
 round). `--out` is rewritten after every section, so a run cut off by a time limit keeps what it measured. Never
@@ -198,22 +201,45 @@ def throughput(call, n: int, rounds: int = 5) -> dict:
     return dict(sentences=n, seconds=sec, sentences_per_s=n / sec, compile_s=max(first - sec, 0.0))
 
 
-def pcfg_released_row(small: bool) -> dict:
-    """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out)."""
-    n_pcfg, chunk = (256, 256) if small else (16384, 4096)
-    g = random_grammar(0, batch_size=chunk)
-    c = g.sample(n_pcfg, seed=1)
-    return {f"pcfg released-shape, chunk {chunk}": throughput(
-        lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)}
+def per_chunk(make_row, chunks: list[int]) -> dict:
+    """{row: result} of make_row(chunk) for each chunk size; a chunk that fails (out of memory) is an error row
+    and the others still run (the sweep that a backend-aware default chunk would be read from)."""
+    rows = {}
+    for chunk in chunks:
+        try:
+            rows.update(make_row(chunk))
+        except Exception as e:  # noqa: BLE001 - recorded, the next chunk size still runs
+            rows[f"chunk {chunk}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return rows
 
 
-def pcfg_dense_row(small: bool) -> dict:
-    """{row: result} for a dense N=50 PCFG at T=32, end to end (host arrays out)."""
+def pcfg_released_row(small: bool, chunks: list[int] | None = None) -> dict:
+    """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out), at each
+    inference chunk size (default 4096)."""
+    n_pcfg = 256 if small else 16384
+
+    def row(chunk):
+        g = random_grammar(0, batch_size=chunk)
+        c = g.sample(n_pcfg, seed=1)
+        return {f"pcfg released-shape, chunk {chunk}": throughput(lambda: g.conditionals(c.tokens, c.lengths),
+                                                                  n_pcfg)}
+
+    return per_chunk(row, chunks or [256 if small else 4096])
+
+
+def pcfg_dense_row(small: bool, chunks: list[int] | None = None) -> dict:
+    """{row: result} for a dense N=50 PCFG at T=32, end to end (host arrays out), at each chunk size (default
+    512)."""
     n_dense = 64 if small else 2048
-    d = dense_grammar(0, max_length=32, batch_size=min(n_dense, 512))
-    toks = np.random.default_rng(0).integers(0, d.vocab_size, (n_dense, 32)).astype(np.int32)
-    return {f"pcfg dense N=50 T=32, chunk {d.batch_size}": throughput(
-        lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)}
+    vocab = dense_grammar(0, max_length=32).vocab_size
+    toks = np.random.default_rng(0).integers(0, vocab, (n_dense, 32)).astype(np.int32)  # the same for every chunk
+
+    def row(chunk):
+        d = dense_grammar(0, max_length=32, batch_size=min(n_dense, chunk))
+        return {f"pcfg dense N=50 T=32, chunk {d.batch_size}": throughput(
+            lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)}
+
+    return per_chunk(row, chunks or [512])
 
 
 def hmm_rows(small: bool) -> dict:
@@ -269,11 +295,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlm", action="store_true", help="skip the matmul peaks and every MLM step row")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per MLM row (default 5; --small: 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per round (default 10; --small: 2)")
+    p.add_argument("--pcfg-chunks", default="", help="released-shape PCFG chunk sizes to sweep, e.g. "
+                   "1024,4096,16384 (default 4096; --small 256)")
+    p.add_argument("--dense-chunks", default="", help="dense PCFG chunk sizes to sweep (default 512)")
     p.add_argument("--microbatches", default="", help="also time the last batch's dropout step split into these "
                    "slice counts, comma-separated (train.microbatches: gradient accumulation), e.g. 4,8")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # hf_in_child's entry point
     args = p.parse_args(argv)
-    rows = {"pcfg-released": pcfg_released_row, "pcfg-dense": pcfg_dense_row, "hmm": hmm_rows}
+    sizes = lambda text: [int(x) for x in text.split(",") if x] or None  # noqa: E731
+    rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks)),
+            "pcfg-dense": functools.partial(pcfg_dense_row, chunks=sizes(args.dense_chunks)), "hmm": hmm_rows}
     which = [w for w in args.conditionals.split(",") if w]
     which = [x for w in which for x in (["pcfg-released", "pcfg-dense"] if w == "pcfg" else [w])]
     if unknown := [w for w in which if w not in rows]:
