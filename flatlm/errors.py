@@ -48,6 +48,16 @@ def disk_full_is_one_line(message: str):
         raise DiskFull(message) from e
 
 
+def device_out_of_memory(exc: BaseException) -> str | None:
+    """XLA's message when `exc` is an accelerator running out of memory (its allocator's RESOURCE_EXHAUSTED, e.g.
+    "Out of memory while trying to allocate 51.75GiB ... [executable_name='jit_train_step']"), else None. A full
+    disk (orbax's RESOURCE_EXHAUSTED ... No space left on device) is not one."""
+    text = str(exc)
+    if "RESOURCE_EXHAUSTED" in text and "out of memory" in text.lower() and not is_disk_full(exc):
+        return text
+    return None
+
+
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/inf; the last good checkpoint is left as it was."""
 

@@ -156,3 +156,63 @@ def test_label_noise_objective_accumulates(setup):
     loud = label_noise_objective(FlatConfig(method="label_noise", noise_p=1.0, noise_source="uniform"))
     (loss_n, aux), _ = jax.jit(lambda p, x: accumulated_grad(loud, 4)(p, x, model.apply, None))(params, b)
     assert float(aux["train/noisy_fraction"]) == 1.0 and abs(float(loss_n) - float(loss1)) > 1e-4
+
+
+# XLA's words on an H100 at batch 4096, L12-H768 (benchmarks/results/h100-2026-11-27/log_default.txt)
+H100_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 51.75GiB with allocator GPU_0_bfc on device 0. "
+            "[tf-allocator-allocation-error=''] [executable_name='jit_train_step']")
+
+
+def test_microbatches_that_fit():
+    from flatlm.train import microbatches_that_fit
+
+    gib = 2**30
+    assert microbatches_that_fit(51.75 * gib, 30 * gib, 4096, 1) == 2  # 51.75 / 2 <= 30
+    assert microbatches_that_fit(51.75 * gib, 10 * gib, 4096, 1) == 8  # 6 does not divide 4096
+    assert microbatches_that_fit(51.75 * gib, 10 * gib, 4096, 2) == 16  # the allocation was made at 2 slices
+    assert microbatches_that_fit(51.75 * gib, 60 * gib, 4096, 1) == 2  # it failed anyway (fragmentation): more
+    assert microbatches_that_fit(51.75 * gib, 1 * gib, 12, 1) is None  # 12 rows cannot be cut 52 ways
+
+
+def test_the_train_step_out_of_device_memory_is_one_line_naming_the_fix(tmp_path, tiny_config, monkeypatch):
+    """XLA's out-of-memory error from the step becomes a UserError (the CLI: one line, exit 2) that names
+    train.microbatches, the mesh and the batch, a new workdir and this one's corpus; with the device's memory
+    figures known it estimates the count. Any other runtime error is left as it is."""
+    import jax
+
+    from flatlm import errors
+    from flatlm.errors import UserError
+    from flatlm.train import loop
+
+    def failing(message):
+        def jit_train_step(*args, **kwargs):
+            def step(state, batch):
+                raise jax.errors.JaxRuntimeError(message)
+            return step
+        return jit_train_step
+
+    monkeypatch.setattr(loop, "jit_train_step", failing(H100_OOM))
+    with pytest.raises(UserError) as info:
+        loop.train_and_evaluate(tiny_config, str(tmp_path / "a"), progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg and "Out of memory while trying to allocate 51.75GiB on device 0" in msg, msg
+    assert "--config.train.microbatches=K with K > 1 dividing the 64 rows" in msg, msg  # CPU: no memory figures
+    assert "new --workdir" in msg and f"--config.data.data_dir={tmp_path / 'a' / 'data'}" in msg, msg
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 20 * 2**30, "bytes_in_use": 4 * 2**30}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    from flatlm.train import out_of_memory_error
+
+    err = out_of_memory_error(jax.errors.JaxRuntimeError(H100_OOM), tiny_config, 1, "/data")
+    assert "--config.train.microbatches=4 (estimated" in str(err)  # 51.75 / 16 GiB free -> 4 (3 does not divide 64)
+    disk = "RESOURCE_EXHAUSTED: Out of memory? No space left on device [os_error_code='28'] jit_train_step"
+    assert errors.device_out_of_memory(RuntimeError(disk)) is None
+    assert out_of_memory_error(jax.errors.JaxRuntimeError("INTERNAL: boom in jit_train_step"), tiny_config, 1,
+                               "/d") is None
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "jit_train_step", failing("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        loop.train_and_evaluate(tiny_config, str(tmp_path / "b"), progress=False)

@@ -1,6 +1,9 @@
 """Training: optimizers and schedules, the jitted step, the loop, the adversarial objective (A.4) and gradual
 stacking (`train.stacking`)."""
 
+import re
+
+from flatlm import errors
 from flatlm.config import check_choice, check_positive
 from flatlm.errors import UserError
 from flatlm.models.blocks import ALL, ENCODER, parse_blocks
@@ -47,3 +50,42 @@ def validate_config(config) -> None:
     if train.get("stacking", {}).get("stages") and parse_blocks(flat.blocks) not in ((ALL,), (ENCODER,)):
         raise UserError(f"config.train.flat.blocks={flat.blocks!r} names blocks, which train.stacking adds stage by "
                         "stage; with stacking use 'all' or 'encoder'")
+
+
+_SIZE = re.compile(r"allocate ([0-9.]+)\s*([KMGT]?i?B)")
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def microbatches_that_fit(need: float, free: float, rows: int, current: int) -> int | None:
+    """The smallest microbatch count above `current` that divides a device's `rows` and cuts an allocation of
+    `need` bytes (made at `current` slices) to `free` bytes, assuming it shrinks as 1 / slices (measured: 31.45 ->
+    8.46 GiB from 1 to 4 slices, benchmarks/microbatches.py); None when no divisor does."""
+    want = current * need / max(free, 1.0)
+    return next((k for k in range(current + 1, rows + 1) if rows % k == 0 and k >= want), None)
+
+
+def out_of_memory_error(exc: BaseException, config, num_devices: int, data_dir: str) -> UserError | None:
+    """The one-line UserError for the train step running out of accelerator memory (`exc` from XLA), naming the fix:
+    more microbatches (a count estimated from the failed allocation and the device's free memory when both are
+    known), more devices on the data axis or a smaller batch, in a new workdir (a run's config is fixed) that can
+    reuse this one's corpus. None when `exc` is something else (another program's OOM is left as it is)."""
+    import jax  # reason: only here, after an XLA error
+
+    text = errors.device_out_of_memory(exc)
+    if text is None or "train_step" not in text:
+        return None
+    first = re.sub(r" with allocator \S+|\s*\[[^\]]*\]", "", text.splitlines()[0])
+    first = first.removeprefix("RESOURCE_EXHAUSTED: ").rstrip(". ")
+    k, rows = config.train.get("microbatches", 1), config.data.batch_size // max(1, num_devices)
+    stats = jax.devices()[0].memory_stats() or {}
+    size = _SIZE.search(text)
+    guess = None
+    if size and "bytes_limit" in stats:
+        need = float(size.group(1)) * _UNIT.get(size.group(2), 1)
+        guess = microbatches_that_fit(need, stats["bytes_limit"] - stats.get("bytes_in_use", 0), rows, k)
+    how = (f"--config.train.microbatches={guess} (estimated from the allocation and the device's free memory)"
+           if guess else f"--config.train.microbatches=K with K > {k} dividing the {rows} rows a device holds")
+    corpus = "" if config.data.data_dir else f"; --config.data.data_dir={data_dir} reuses this run's corpus"
+    return UserError(f"the train step ran out of device memory ({first}) at data.batch_size={config.data.batch_size} "
+                     f"on {num_devices} device(s): rerun in a new --workdir with {how}, more devices on the data "
+                     f"axis (--config.mesh.data) or a smaller data.batch_size{corpus}")

@@ -236,6 +236,11 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
     try:
         with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
             return _train(config, workdir, progress, objective)
+    except jax.errors.JaxRuntimeError as e:  # the step out of accelerator memory: one line naming the fix
+        oom = train_lib.out_of_memory_error(e, config, jax.device_count(), run_lib.data_dir(config, workdir))
+        if oom is None:
+            raise
+        raise oom from e
     except UserError:
         if created and {p.name for p in paths.path(workdir).iterdir()} <= {".lock"}:  # refused before writing
             paths.path(workdir).rmtree(missing_ok=True)  # anything: leave no trace
