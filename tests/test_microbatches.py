@@ -147,7 +147,8 @@ def test_label_noise_objective_accumulates(setup):
 
     model, params, batch = setup
     b = {**batch, "rng": jax.random.key(3)}
-    (loss1, _), g1 = jax.value_and_grad(mlm_objective, has_aux=True)(params, batch, model.apply, None)
+    (loss1, _), g1 = jax.jit(lambda p, x: jax.value_and_grad(mlm_objective, has_aux=True)(p, x, model.apply, None))(
+        params, batch)
     quiet = label_noise_objective(FlatConfig(method="label_noise", noise_p=0.0))
     (loss_k, aux), g_k = jax.jit(lambda p, x: accumulated_grad(quiet, 4)(p, x, model.apply, None))(params, b)
     assert float(loss_k) == pytest.approx(float(loss1), rel=1e-6) and float(aux["train/noisy_fraction"]) == 0.0
