@@ -28,7 +28,7 @@ CPU-s at L6-H256) are printed as met or missed. Without torch + transformers the
 Each side may also split the batch into microbatches (`--microbatches`, default 1 and 4: gradient accumulation,
 the same batch and update computed in k slices; `train.microbatches` in flatlm, k backward passes before one
 optimizer step in HF) and takes its fastest, pre-timed like HF's modes. On the 2-core AMD machine the library's
-L6-H256 step ran ~6-8 % faster in 4 slices (not explained; a smaller working set, presumably), HF's slower
+L6-H256 step ran ~5-8 % faster in 4 slices (gained between ops: benchmarks/RESULTS.md), HF's slower
 (benchmarks/microbatches.py). The goals compare each side at its best.
 Shapes with more than --max-params parameters are skipped (their estimated step time is printed).
 """
