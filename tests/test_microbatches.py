@@ -207,13 +207,15 @@ def test_the_train_step_out_of_device_memory_is_one_line_naming_the_fix(tmp_path
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
     from flatlm.train import out_of_memory_error
 
-    err = out_of_memory_error(jax.errors.JaxRuntimeError(H100_OOM), tiny_config, 1, "/data")
+    err = out_of_memory_error(jax.errors.JaxRuntimeError(H100_OOM), tiny_config, 1, "/data")  # data axis 1
     assert "--config.train.microbatches=4 (estimated" in str(err)  # 51.75 / 16 GiB free -> 4 (3 does not divide 64)
     disk = "RESOURCE_EXHAUSTED: Out of memory? No space left on device [os_error_code='28'] jit_train_step"
     assert errors.device_out_of_memory(RuntimeError(disk)) is None
     assert out_of_memory_error(jax.errors.JaxRuntimeError("INTERNAL: boom in jit_train_step"), tiny_config, 1,
                                "/d") is None
     monkeypatch.undo()
+    four = str(out_of_memory_error(jax.errors.JaxRuntimeError(H100_OOM), tiny_config, 4, "/d"))
+    assert "K > 1 dividing the 16 rows" in four and "over a data axis of 4" in four, four  # a mesh: 64 / 4 rows
     monkeypatch.setattr(loop, "jit_train_step", failing("INTERNAL: something else"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         loop.train_and_evaluate(tiny_config, str(tmp_path / "b"), progress=False)

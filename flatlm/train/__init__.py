@@ -64,7 +64,7 @@ def microbatches_that_fit(need: float, free: float, rows: int, current: int) -> 
     return next((k for k in range(current + 1, rows + 1) if rows % k == 0 and k >= want), None)
 
 
-def out_of_memory_error(exc: BaseException, config, num_devices: int, data_dir: str) -> UserError | None:
+def out_of_memory_error(exc: BaseException, config, data_axis: int, data_dir: str) -> UserError | None:
     """The one-line UserError for the train step running out of accelerator memory (`exc` from XLA), naming the fix:
     more microbatches (a count estimated from the failed allocation and the device's free memory when both are
     known), more devices on the data axis or a smaller batch, in a new workdir (a run's config is fixed) that can
@@ -76,7 +76,7 @@ def out_of_memory_error(exc: BaseException, config, num_devices: int, data_dir: 
         return None
     first = re.sub(r" with allocator \S+|\s*\[[^\]]*\]", "", text.splitlines()[0])
     first = first.removeprefix("RESOURCE_EXHAUSTED: ").rstrip(". ")
-    k, rows = config.train.get("microbatches", 1), config.data.batch_size // max(1, num_devices)
+    k, rows = config.train.get("microbatches", 1), config.data.batch_size // max(1, data_axis)
     stats = jax.devices()[0].memory_stats() or {}
     size = _SIZE.search(text)
     guess = None
@@ -87,5 +87,5 @@ def out_of_memory_error(exc: BaseException, config, num_devices: int, data_dir: 
            if guess else f"--config.train.microbatches=K with K > {k} dividing the {rows} rows a device holds")
     corpus = "" if config.data.data_dir else f"; --config.data.data_dir={data_dir} reuses this run's corpus"
     return UserError(f"the train step ran out of device memory ({first}) at data.batch_size={config.data.batch_size} "
-                     f"on {num_devices} device(s): rerun in a new --workdir with {how}, more devices on the data "
-                     f"axis (--config.mesh.data) or a smaller data.batch_size{corpus}")
+                     f"over a data axis of {data_axis}: rerun in a new --workdir with {how}, more devices on the "
+                     f"data axis (--config.mesh.data) or a smaller data.batch_size{corpus}")

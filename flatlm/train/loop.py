@@ -237,7 +237,8 @@ def train_and_evaluate(config, workdir: str, progress: bool = True, objective=No
         with locks.exclusive(workdir, "training", enabled=jax.process_index() == 0):
             return _train(config, workdir, progress, objective)
     except jax.errors.JaxRuntimeError as e:  # the step out of accelerator memory: one line naming the fix
-        oom = train_lib.out_of_memory_error(e, config, jax.device_count(), run_lib.data_dir(config, workdir))
+        oom = train_lib.out_of_memory_error(e, config, sharding.mesh_shape(config, jax.device_count())[0],
+                                            run_lib.data_dir(config, workdir))
         if oom is None:
             raise
         raise oom from e
