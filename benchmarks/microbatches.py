@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/microbatches.py [--shape L6-H256] [--batch 256] [--ks 1,2,4,8] [--rounds 5]
         [--memory-shape L12-H768] [--memory-batch 1024] [--memory-ks 1,4,8] [--json]
 
-Time: the library's jitted, donated MLM train step (`flatlm.train.step.train_step`, AdamW, dropout on, the head
-at the predicted positions as in training) at one global batch, split into k microbatches, every k timed
+Time: the library's jitted, donated MLM train step as `train_step.py` builds it (`JaxStep`: AdamW, dropout on,
+the head at the predicted positions as in training) at one global batch, split into k microbatches, every k timed
 round-robin in one process (medians of --rounds samples; wall and CPU-s ratios against k = 1 with their min-max).
 Memory: XLA's own buffer assignment of the compiled step (`memory_analysis().temp_size_in_bytes`: activations
 and other temporaries, not the parameters, optimizer state or batch), exact for the backend it compiled for. The
@@ -27,70 +27,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _util import interleave, load_line, paired_ratio
+from train_step import NUM_WORDS, SEQ_LEN, JaxStep, make_batch, make_model
 
 from flatlm.config import base_config
-from flatlm.data.masking import mask_batch
-from flatlm.models import Bert, model_config
+from flatlm.models import SHAPES, Bert, model_config
 from flatlm.train import optim
 from flatlm.train.step import train_step
 
-NUM_WORDS, SEQ_LEN = 200, 32  # the paper's PCFG vocabulary and the Table 3 sequence length (as train_step.py)
 GIB = 2**30
 
 
-def step_case(shape: str, batch_size: int, k: int, dtype: str, run: bool):
-    """(compiled step, state, batch) of the train step with k microbatches (abstract state when not `run`)."""
+def abstract_step(shape: str, batch_size: int, k: int, dtype: str):
+    """(compiled step, compile seconds) of the train step with k microbatches, compiled from shapes alone (the
+    paper's width at a large batch: never run here)."""
     c = base_config()
     c.model.shape, c.model.dtype = shape, dtype
     model, optimizer = Bert(model_config(c.model, NUM_WORDS, SEQ_LEN)), optim.optimizer(c.train)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, NUM_WORDS, (batch_size, SEQ_LEN))
-    batch = mask_batch(tokens, np.full(batch_size, SEQ_LEN), NUM_WORDS, rng, masking="bert")
 
     def init(key):
         params = nn.unbox(model.init(key, jnp.zeros((2, SEQ_LEN), jnp.int32))["params"])
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
-    state = jax.jit(init)(jax.random.key(0)) if run else jax.eval_shape(init, jax.random.key(0))
-    batch = jax.device_put(batch) if run else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    state = jax.eval_shape(init, jax.random.key(0))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_batch(batch_size))
     fn = jax.jit(functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, dropout=True,
                                    microbatches=k), donate_argnums=0)
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
-    return compiled, state, batch, time.perf_counter() - t0
-
-
-def temp_gib(compiled) -> float:
-    return compiled.memory_analysis().temp_size_in_bytes / GIB
+    return compiled, time.perf_counter() - t0
 
 
 def timing_rows(args) -> list[dict]:
-    rows, calls = [], {}
-    for k in args.ks:
-        compiled, state, batch, compile_s = step_case(args.shape, args.batch, k, "float32", run=True)
-        holder = {"state": state}
-
-        def call(compiled=compiled, holder=holder, batch=batch):
-            holder["state"], metrics = compiled(holder["state"], batch)
-            jax.block_until_ready(metrics)
-
-        call()
-        calls[k] = call
-        rows.append(dict(k=k, temp_gib=temp_gib(compiled), compile_s=compile_s))
-    times = interleave({str(k): calls[k] for k in args.ks}, args.rounds)
-    base = times[str(args.ks[0])]
-    for r in rows:
-        t = times[str(r["k"])]
-        r.update(step_ms=float(np.median(t[:, 0])) * 1e3, cpu_ms=float(np.median(t[:, 1])) * 1e3,
-                 wall_ratio=paired_ratio(t, base, 0), cpu_ratio=paired_ratio(t, base, 1))
+    """The real step (`train_step.JaxStep`: float32, dropout on, donated) at each k, timed round-robin."""
+    model, _, train = make_model(args.shape)
+    optimizer, batch = optim.optimizer(train), make_batch(args.batch)
+    steps = {k: JaxStep(model, optimizer, batch, dropout=True, compiler_options={}, microbatches=k) for k in args.ks}
+    times = interleave({str(k): step for k, step in steps.items()}, args.rounds)
+    base, rows = times[str(args.ks[0])], []
+    for k, step in steps.items():
+        t = times[str(k)]
+        rows.append(dict(k=k, temp_gib=step.memory()["temp_mib"] * 2**20 / GIB, compile_s=step.compile_s,
+                         step_ms=float(np.median(t[:, 0])) * 1e3, cpu_ms=float(np.median(t[:, 1])) * 1e3,
+                         wall_ratio=paired_ratio(t, base, 0), cpu_ratio=paired_ratio(t, base, 1)))
     return rows
 
 
 def memory_rows(args) -> list[dict]:
     rows = []
     for k in args.memory_ks:
-        compiled, _, _, compile_s = step_case(args.memory_shape, args.memory_batch, k, "bfloat16", run=False)
-        rows.append(dict(k=k, temp_gib=temp_gib(compiled), compile_s=compile_s))
+        compiled, compile_s = abstract_step(args.memory_shape, args.memory_batch, k, "bfloat16")
+        rows.append(dict(k=k, temp_gib=compiled.memory_analysis().temp_size_in_bytes / GIB, compile_s=compile_s))
     return rows
 
 
@@ -111,6 +97,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     bad = [k for k in args.ks + args.memory_ks if k < 1] + [k for k in args.ks if args.batch % k] + [
         k for k in args.memory_ks if args.memory_batch % k]
+    if unknown := [x for x in (args.shape, args.memory_shape) if x not in SHAPES]:
+        print(f"error: unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}", file=sys.stderr)
+        return 2
     if bad:
         print(f"error: microbatch counts {bad} must be >= 1 and divide their batch; fix --ks / --memory-ks",
               file=sys.stderr)

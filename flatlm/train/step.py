@@ -93,7 +93,7 @@ def accumulated_grad(objective: Objective, microbatches: int = 1):
 
         f32 = lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
         part0, key0 = part_of(0, jax.tree.map(lambda x: x[0], slices))
-        (_, aux0), _ = jax.eval_shape(lambda p, s, k: grad_fn(p, s, apply_fn, k, 1.0), params, part0, key0)
+        aux0 = jax.eval_shape(lambda p, s, k: objective(p, s, apply_fn, k)[1], params, part0, key0)
         zero = jnp.zeros((), jnp.float32)
         carry = (jax.tree.map(f32, params), zero, jax.tree.map(f32, aux0), zero)
         (g_sum, l_sum, aux_sum, n), _ = jax.lax.scan(one, carry, (jnp.arange(microbatches), slices))
