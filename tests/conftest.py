@@ -18,6 +18,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # checks both settings in processes of its own. Set before flatlm is first imported; a caller's value wins.
 os.environ.setdefault("FLATLM_MALLOC", "system")
 
+# The suite's processes compile with XLA:CPU's fusion emitters off and LLVM -O1 (flatlm.compile_options.ONE_SHOT's
+# choice, process-wide): about half of the suite's time was XLA compiling tiny programs, many of them op by op.
+# The whole suite, same machine, one run each: 8:05 and 8:24 of wall with XLA's defaults, 6:13 with these; every
+# test asserts against a reference with its own tolerance, not against the default compiler's rounding. Tests that
+# are about the default build (or whose outcome hangs on its rounding) call `with_xla_defaults`, which runs them in
+# a process of their own with XLA's defaults. FLATLM_TEST_XLA=default runs the whole suite with XLA's defaults.
+# The caller's XLA_FLAGS, kept in the environment: xdist's workers inherit the controller's environment, lines below
+# included, and must not take its fast flags for the caller's.
+XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
+if os.environ.get("FLATLM_TEST_XLA", "fast") != "default":
+    os.environ["XLA_FLAGS"] = f"{XLA_DEFAULT_FLAGS} {FAST_COMPILE_FLAGS}".strip()
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,11 +54,29 @@ def _no_persistent_cache_in_process(monkeypatch):
     monkeypatch.setattr("flatlm.run.enable_compilation_cache", lambda env=None: None)
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess with `devices` simulated CPU devices, compiling as this process does."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
+def with_xla_defaults(request) -> bool:
+    """True where this process compiles with XLA's default flags. Elsewhere the calling test is run again, alone,
+    in a fresh pytest process that does (its failure is this test's, with its output), and False is returned: the
+    caller returns at once. For tests of the default build itself, or whose outcome depends on its rounding."""
+    if os.environ.get("FLATLM_TEST_XLA") == "default":
+        return True
+    env = {**os.environ, "FLATLM_TEST_XLA": "default", "XLA_FLAGS": XLA_DEFAULT_FLAGS}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           request.node.nodeid], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, f"with XLA's default flags:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    return False
+
+
 def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: int = 600,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with `devices` simulated CPU devices."""
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["XLA_FLAGS"] = xla_flags(devices)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:

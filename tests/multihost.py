@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, xla_flags
 
 
 def free_port() -> int:
@@ -39,7 +39,7 @@ def run_processes(*args: str, n: int = 2, devices: int = 4, env: dict | None = N
                                                                settings.values())]
             settings = dict.fromkeys(settings, "")
         full = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {}), **(per_process_env or {}).get(i, {}),
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **settings}
+                "XLA_FLAGS": xla_flags(devices), **settings}
         out, err = (open(logs / f"p{port}_{i}.{k}", "w+") for k in ("out", "err"))  # noqa: SIM115 - closed below
         files.append((out, err))
         procs.append(subprocess.Popen([sys.executable, "-m", "flatlm.cli", *args, *flags], stdout=out, stderr=err,

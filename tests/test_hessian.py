@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 from flatness_tiny import fast_compile, float64_everywhere, mlm_batch, tiny_bert, tiny_lstm
 from jax.flatten_util import ravel_pytree
 
@@ -249,7 +250,7 @@ MESH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow  # ~40 s of CPU: a fresh process with 8 simulated devices compiles everything twice
 def test_one_device_and_8_device_mesh_agree():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
                JAX_DISABLE_MOST_OPTIMIZATIONS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,

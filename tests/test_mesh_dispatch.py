@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, xla_flags
 
 PCFG_TINY = str(REPO / "configs" / "pcfg_mlm.py") + ":tiny"
-EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT = {"XLA_FLAGS": xla_flags(8)}
 TP = ["--config.mesh.parallelism=tp", "--config.mesh.data=2", "--config.mesh.model=4"]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, xla_flags
 from multihost import run_processes
 from test_golden import GOLDEN
 
@@ -70,7 +70,7 @@ def _train_both(tmp: Path, data_dir, extra: list[str], via_config: bool = False)
     _ok(run_processes("train", "--workdir", str(two), *args, env={"FLATLM_DEBUG_DATA_LOG": str(tmp / "seen2")},
                       logs=tmp, via_config=via_config))
     proc = run_cli("train", "--workdir", str(one), *args,
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                   env={"XLA_FLAGS": xla_flags(8),
                         "FLATLM_DEBUG_DATA_LOG": str(tmp / "seen1")})
     assert proc.returncode == 0, proc.stderr
     return two, one
