@@ -20,7 +20,7 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 
 # The suite's processes compile with XLA:CPU's fusion emitters off and LLVM -O1 (flatlm.compile_options.ONE_SHOT's
 # choice, process-wide): about half of the suite's time was XLA compiling tiny programs, many of them op by op.
-# The whole suite, same machine, one run each: 8:05 and 8:24 of wall with XLA's defaults, 6:13 with these; every
+# The whole suite, same machine: 8:20 and 8:24 of wall with XLA's defaults, 6:14 to 6:32 (three runs) with these; every
 # test asserts against a reference with its own tolerance, not against the default compiler's rounding. Tests that
 # are about the default build (or whose outcome hangs on its rounding) call `with_xla_defaults`, which runs them in
 # a process of their own with XLA's defaults. FLATLM_TEST_XLA=default runs the whole suite with XLA's defaults.
