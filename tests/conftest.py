@@ -27,7 +27,9 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 # The caller's XLA_FLAGS, kept in the environment: xdist's workers inherit the controller's environment, lines below
 # included, and must not take its fast flags for the caller's.
 XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
+from flatlm.compile_options import ONE_SHOT  # noqa: E402 - after FLATLM_MALLOC, before any XLA backend starts
+
+FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in ONE_SHOT.items())
 if os.environ.get("FLATLM_TEST_XLA", "fast") != "default":
     os.environ["XLA_FLAGS"] = f"{XLA_DEFAULT_FLAGS} {FAST_COMPILE_FLAGS}".strip()
 

@@ -87,7 +87,9 @@ def float64_everywhere():
 
 @contextlib.contextmanager
 def fast_compile():
-    """Compile with most XLA optimisations off (about half the compile time; these tests are compile-bound)."""
+    """Compile with most XLA optimisations off (about half the compile time; these tests are compile-bound). Goes
+    further than the suite's own flags (tests/conftest.py: LLVM -O0 and no expensive passes instead of -O1) and
+    still pays on top of them: test_hessian.py + test_fisher.py 26 s with it, 37 s without (2026-11-27)."""
     old = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
