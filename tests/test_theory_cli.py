@@ -46,6 +46,7 @@ def test_theory_dyck_table_and_user_errors(tmp_path, capsys):
     with pytest.raises(UserError, match="even"):
         args = _parse("theory", "dyck", "--T", "5", "--out", str(tmp_path))
         args.func(args)
+    assert capsys.readouterr().err == ""  # refused before the training bar starts: the error line stands alone
     with pytest.raises(UserError, match="--samples"):
         args = _parse("theory", "dyck", "--T", "16", "--out", str(tmp_path))
         args.func(args)

@@ -159,6 +159,7 @@ def _run_dyck(args: argparse.Namespace) -> int:
         raise UserError(f"--search and --label-noise need the enumerated population (T <= {dyck.lang.MAX_ENUM_T}); "
                         f"pass a smaller --T")
     dyck_search.check_config(search_cfg)
+    dyck.lang.check_length(args.T)  # before the progress bar: a bad --T gets its one line alone
     num_runs = 1 + (args.penalty > 0)
     bar = tqdm(total=num_runs * max(args.steps, 0), desc="theory dyck: training", unit="step", file=sys.stderr,
                disable=args.steps <= 0)
