@@ -61,7 +61,9 @@ def accumulated_grad(objective: Objective, microbatches: int = 1):
     distribution, other masks), so with dropout on a run's trajectory depends on `microbatches`.
     On a mesh XLA reduces each slice's gradient over the data axis, and FSDP gathers the parameters for each slice
     (`microbatches` times a step, not once: seen in the compiled programs on CPU; the batch's rows never move):
-    accumulation buys memory, not speed; spread the batch over devices first.
+    accumulation buys memory, not speed; spread the batch over devices first. (XLA's GPU pipeline runs a pass,
+    WhileLoopAllReduceCodeMotion, that moves an all-reduce whose result is only accumulated out of the loop; the
+    CPU pipeline does not. Whether it fires on this step was not checked: no multi-GPU machine so far.)
     Why not `optax.MultiSteps`: it makes every microbatch an optimizer call, so the step counter, schedules,
     checkpoints and the data iterator would count microbatches, and it averages microbatch gradients with equal
     weights, which is not the batch's gradient when slices hold different numbers of masked tokens.
