@@ -4,12 +4,14 @@ batch of sentences applied in chunks of similar length.
 `Engine` holds one `Plan` per chart size and dtype and one `Compiled` kernel per (kind, size, dtype). Kernels
 are compiled ahead of time, several chart sizes at once in threads (`compile_all`), with compiler options that
 halve the compile time of these unrolled charts on CPU, and on GPU cut it to a third for charts without wide blocks
-(`flatlm.compile_options.CHART_SMALL_DOTS`). `encode_tokens` validates a batch and maps it to the
-leaf table's ids (pad = V, mask = V + 1).
+(`flatlm.compile_options.CHART_SMALL_DOTS`). On the CPU backend the chunks of a batch run in threads, one per core
+(`default_workers`, `apply_chunks`). `encode_tokens` validates a batch and maps it to the leaf table's ids
+(pad = V, mask = V + 1).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import os
@@ -120,12 +122,49 @@ def encode_tokens(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
     return np.where(inside_nT, tokens, V).astype(np.int32), lengths
 
 
+def default_workers() -> int:
+    """Chunks `Engine.run` applies at once: on the CPU backend one per core this process may use, elsewhere 1.
+
+    A chart is a chain of hundreds of small dots, one width after the other, which XLA:CPU runs on about one core
+    whatever the intra-op pool's size (the dense grammar's chunk of 4 took 14.7 ms pinned to one core, 14.2 on
+    two); independent chunks called from threads share the pool and fill the other cores. On an accelerator the
+    chunks would share one device and each would hold its own temporaries: not measured, so not done there."""
+    if jax.default_backend() != "cpu":
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def apply_chunks(calls: list, workers: int):
+    """Yield each (compiled fn, args) call's outputs as host arrays, in order, with up to `workers` calls
+    running at once in threads (XLA releases the GIL) and at most `workers` finished ones waiting to be read."""
+    if workers <= 1 or len(calls) <= 1:
+        for fn, args in calls:
+            yield {k: np.asarray(v) for k, v in fn(*args).items()}
+        return
+    x64 = bool(jax.config.x64_enabled)  # a thread-local setting: carry it into the workers
+
+    def one(call):
+        with jax.enable_x64(x64):
+            return {k: np.asarray(v) for k, v in call[0](*call[1]).items()}
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pending: collections.deque = collections.deque()
+        for call in calls:
+            pending.append(pool.submit(one, call))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 class Engine:
     """Exact inference for one grammar (`root[N]`, `binary[N, N, N]`, `emit[N, V]`): plans and compiled
-    kernels cached per chart size and dtype (float64 under jax x64, else float32), built on first use."""
+    kernels cached per chart size and dtype (float64 under jax x64, else float32), built on first use.
+    `workers`: chunks run at once (`default_workers`)."""
 
     def __init__(self, root_N, binary_NNN, emit_NV):
         self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
+        self.workers = default_workers()
         self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
@@ -180,9 +219,9 @@ class Engine:
             calls.append((idx, self.fn(kind, T), (self.plan(T).consts, tok_BT, len_B)))
         compile_all([(fn, args) for _, fn, args in calls])  # every chart size first, in parallel
         results: dict[str, np.ndarray] = {}
-        for idx, fn, args in calls:
-            for k, v in fn(*args).items():
-                v = np.asarray(v)[: len(idx)]
+        for (idx, _, _), out in zip(calls, apply_chunks([(fn, args) for _, fn, args in calls], self.workers)):
+            for k, v in out.items():
+                v = v[: len(idx)]
                 axes = TIME_AXES.get(k, ())
                 if k not in results:
                     shape = [T_max if ax in axes else s for ax, s in enumerate(v.shape)][1:]
