@@ -69,6 +69,11 @@ class Preempted(RuntimeError):
     """
 
 
+class RunFailed(RuntimeError):
+    """A run that `flatlm experiment --jobs N` started in a child process failed (its exit code and log tail are in
+    the message); the CLI exits with 1, and the other runs' finished work is kept."""
+
+
 class DamagedCheckpoint(RuntimeError):
     """A checkpoint failed its checksums or orbax's checks while being restored; it has been moved aside."""
 

@@ -22,7 +22,7 @@ import ml_collections
 
 from flatlm import checkpoint as ckpt
 from flatlm import config as config_lib
-from flatlm import locks, paths
+from flatlm import experiment_jobs, locks, paths
 from flatlm import results as results_lib
 from flatlm import run as run_lib
 from flatlm.config import SEED_SUFFIX
@@ -179,23 +179,34 @@ def select_runs(exp, names: tuple[str, ...]) -> list[dict]:
     return [r for r in exp.runs if not names or r["name"] in names]
 
 
-def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ...] = ()) -> dict:
+def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ...] = (), jobs: int = 1,
+                   child_args: tuple[str, ...] = ()) -> dict:
     """Train, evaluate and measure every run (or the runs named in `only`); returns {run name: status}.
 
     The whole experiment holds the experiment dir's lock (`flatlm.locks.exclusive`): a second `flatlm experiment`
     on it stops with one line. With `only` (one job per run, e.g. `launch/tpu.sh experiment`) jobs of other runs
-    may run beside it: each run's own workdir lock keeps two jobs off one run."""
+    may run beside it: each run's own workdir lock keeps two jobs off one run. `jobs` > 1 runs up to that many
+    runs at once, each in a child process (`flatlm.experiment_jobs`) built from `child_args`, the command-line
+    arguments that give this experiment (--config, --seeds, overrides); the statuses are the same."""
     validate_experiment(exp)
+    experiment_jobs.check_jobs(jobs)
+    if jobs > 1 and not child_args:
+        raise ValueError("jobs > 1 needs child_args: the arguments of `flatlm experiment` that rebuild exp")
     selected = select_runs(exp, tuple(only))
     root = paths.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    if only:
+    if only and jobs == 1:
         with locks.waiting(root / ".experiment.lock", f"writing {exp.name}'s experiment.json"):
             _write_spec(exp, root, workdir)
         return _run_experiment(exp, root, selected, progress)
     with locks.exclusive(root, f"running experiment {exp.name}"):
         _write_spec(exp, root, workdir)
-        return _run_experiment(exp, root, selected, progress)
+        pending = [r["name"] for r in selected if not _done(root / "runs" / r["name"], run_config(exp, r).train.steps)]
+        if jobs == 1 or len(pending) < 2:
+            return _run_experiment(exp, root, selected, progress)
+        status = {r["name"]: "done earlier" for r in selected if r["name"] not in pending}
+        ran = experiment_jobs.run_children(pending, list(child_args), root, jobs, progress, exp.name)
+        return {r["name"]: status.get(r["name"]) or ran[r["name"]] for r in selected}
 
 
 def _write_spec(exp, root, workdir: str) -> None:

@@ -108,8 +108,10 @@ def load_timings(workdir: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True) -> dict:
-    """Run (or resume) every experiment the chosen claims need; returns {experiment dir name: seconds}."""
+def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
+              jobs: int = 1) -> dict:
+    """Run (or resume) every experiment the chosen claims need, `jobs` runs of each at once; returns {experiment dir
+    name: seconds}."""
     timings_path = paths.path(workdir) / "timings.json"
     timings = load_timings(workdir)
     paths.path(workdir).mkdir(parents=True, exist_ok=True)
@@ -119,9 +121,10 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
         for name, language in plan(preset)[cid]:
             target = experiment_dir(workdir, name, language)
-            exp = load_experiment(f"{CONFIGS / name}.py:{preset},{language}")
+            spec = f"{CONFIGS / name}.py:{preset},{language}"
+            exp = load_experiment(spec)
             t0 = time.time()
-            status = run_experiment(exp, str(target), progress=progress)
+            status = run_experiment(exp, str(target), progress=progress, jobs=jobs, child_args=("--config", spec))
             if any(v == "finished" for v in status.values()) or target.name not in timings:
                 timings[target.name] = timings.get(target.name, 0.0) + time.time() - t0
             timings_path.parent.mkdir(parents=True, exist_ok=True)

@@ -214,3 +214,87 @@ def test_an_experiment_releases_compiled_programs_after_every_run(tmp_path, monk
     assert calls == [1, 2, 3]
     experiment._run_experiment(exp, tmp_path, exp.runs[:4], progress=False)  # three done earlier
     assert calls == [1, 2, 3, 4]
+
+
+def _eval_losses(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
+
+
+def test_jobs_train_runs_side_by_side_and_a_failed_one_stops_the_command(tmp_path):
+    """`--jobs 2`: each run in a child process (output in runs/NAME/experiment.log); a run that dies (SIGKILL at step
+    15) fails the command with exit 1 naming it, its exit code and log, while the other run finishes; the rerun
+    resumes it. Every evaluation equals a one-at-a-time run of the same experiment."""
+    cfg = tmp_path / "toy.py"
+    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    par, seq = tmp_path / "par", tmp_path / "seq"
+    proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(par), "--quiet", "--jobs", "2",
+                   env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "15", "FLATLM_DEBUG_SIGKILL_WORKDIR": "par/runs/b"})
+    assert proc.returncode == 1, proc.stderr
+    assert "(it wrote nothing)" in proc.stderr  # --quiet, and killed before its status table
+    assert "1 run(s) of toy failed" in proc.stderr and "b (killed by SIGKILL; log " in proc.stderr, proc.stderr
+    assert (par / "runs" / "a" / "DONE").exists() and not (par / "runs" / "b" / "DONE").exists()
+    assert "a  finished" in (par / "runs" / "a" / "experiment.log").read_text()
+    proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(par), "--quiet", "--json", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["runs"] == {"a": "done earlier", "b": "finished"}
+    proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(seq), "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    for run in ("a", "b"):
+        assert _eval_losses(par / "runs" / run) == _eval_losses(seq / "runs" / run)
+        assert [s for s, _ in _eval_losses(seq / "runs" / run)] == [10, 20]
+    bad = run_cli("experiment", "--config", str(cfg), "--workdir", str(seq), "--jobs", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "flatlm: error: --jobs 0: pass the number of runs to train at once (1 or more; e.g. 2 on a 2-core laptop, "
+        "since a cpu-preset run keeps about 1.3 cores busy)"]
+
+
+def _children_of(workdir) -> list[int]:
+    """Pids of live `flatlm experiment --run` processes on `workdir` (from /proc)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"--run" in cmd and str(workdir).encode() in cmd:
+                pids.append(int(d))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the children in /proc")
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_jobs_children_stop_and_save_when_the_parent_is_stopped_or_killed(tmp_path, signal_name):
+    """SIGTERM to the parent: it passes it on and exits 143; SIGKILL: the children get SIGTERM from Linux
+    (PR_SET_PDEATHSIG). Either way every child saves a checkpoint and exits, and no run is marked done (a rerun
+    resumes from those checkpoints, as in test_experiment_resumes_after_sigkill_without_redoing_finished_runs)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = tmp_path / "toy.py"
+    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    wd = tmp_path / "exp"
+    args = ["experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet", "--jobs", "2",
+            "--config.base.train.steps=100000", "--config.base.train.eval_every=100000",
+            "--config.base.checkpoint.every=100000"]
+    parent = subprocess.Popen([sys.executable, "-m", "flatlm.cli", *args], cwd=REPO, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    deadline = time.time() + 300
+    while not all((wd / "runs" / r / "metrics.jsonl").exists() for r in "ab"):  # both children are training
+        assert parent.poll() is None and time.time() < deadline, parent.stderr.read() if parent.poll() else "slow"
+        time.sleep(0.5)
+    time.sleep(2)
+    parent.send_signal(getattr(signal, signal_name))
+    rc = parent.wait(timeout=300)
+    assert rc == (143 if signal_name == "SIGTERM" else -9), parent.stderr.read()
+    while _children_of(wd):
+        assert time.time() < deadline, f"children left: {_children_of(wd)}"
+        time.sleep(0.5)
+    for r in "ab":
+        saved = ckpt.all_steps(str(wd / "runs" / r))
+        assert saved and 0 < max(saved) < 100000 and not (wd / "runs" / r / "DONE").exists(), (r, saved)
+        assert "interrupted by SIGTERM" in (wd / "runs" / r / "experiment.log").read_text()

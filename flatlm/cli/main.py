@@ -15,7 +15,8 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow-datasets' imports below
 
 from flatlm.cli.common import Parser  # noqa: E402
-from flatlm.errors import DamagedCheckpoint, DiskFull, NonFiniteLoss, Preempted, UserError  # noqa: E402
+from flatlm.errors import DamagedCheckpoint, DiskFull, NonFiniteLoss, Preempted, RunFailed, UserError  # noqa: E402
+from flatlm.experiment_jobs import die_with_parent  # noqa: E402
 
 # A path the user gave that cannot be written (read-only, permission, a file where a folder must be, /proc/...).
 USER_PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR)
@@ -34,11 +35,12 @@ def build_parser(verbs: tuple[str, ...] = VERBS) -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; exit code 0, 1 (training diverged, disk full, damaged checkpoint), 2 (user error), 130
-    (Ctrl-C) or 143 (SIGTERM: the work is saved but unfinished; rerun to resume)."""
+    """Run one verb; exit code 0, 1 (training diverged, disk full, damaged checkpoint, a failed run of --jobs), 2
+    (user error), 130 (Ctrl-C) or 143 (SIGTERM: the work is saved but unfinished; rerun to resume)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax/tfds chatter; our own progress goes to stderr
     try:
+        die_with_parent()  # a run that `flatlm experiment --jobs N` started stops with its parent
         first = (sys.argv[1:] if argv is None else argv)[:1]
         args, extra = build_parser(tuple(first) if first and first[0] in VERBS else VERBS).parse_known_args(argv)
         if extra and not args.overrides:
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"flatlm: training stopped: {e}", file=sys.stderr)
         return 1
-    except (DiskFull, DamagedCheckpoint) as e:
+    except (DiskFull, DamagedCheckpoint, RunFailed) as e:
         print(f"flatlm: {e}", file=sys.stderr)
         return 1
     except Preempted as e:

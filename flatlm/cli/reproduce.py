@@ -6,6 +6,7 @@ from __future__ import annotations
 from flatlm import reproduce
 from flatlm.cli.common import add_output_flags
 from flatlm.errors import UserError
+from flatlm.experiment_jobs import check_jobs
 from flatlm.table import print_json, print_table
 
 
@@ -16,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", required=True)
     p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
     p.add_argument("--report-only", action="store_true", help="no training: judge what the workdir holds")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train up to N runs of each experiment at once (`flatlm experiment --jobs`; 2 on a 2-core "
+                        "laptop)")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
 
@@ -26,10 +30,11 @@ def run(args) -> int:
     unknown = [c for c in ids if c not in reproduce.SUITE]
     if unknown:
         raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
+    check_jobs(args.jobs)
     if args.report_only:
         timings = reproduce.load_timings(args.workdir)
     else:
-        timings = reproduce.run_suite(args.preset, args.workdir, ids, progress=not args.quiet)
+        timings = reproduce.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs)
     results = reproduce.evaluate_claims(args.workdir, ids)
     command = f"flatlm reproduce --preset {args.preset} --workdir {args.workdir}" + \
         (f" --claims {','.join(ids)}" if ids else "")
