@@ -43,6 +43,7 @@ from flatlm.flatness.estimates import param_groups
 from flatlm.languages.base import special_ids
 from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import dense_grammar
+from flatlm.languages.pcfg.engine import default_workers
 from flatlm.models.bert import Bert, BertConfig
 from flatlm.models.losses import mlm_loss
 
@@ -83,7 +84,7 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
              "torch_struct_1": lambda: torch_struct_conditionals(g, tokens[:1]),  # its fastest per sentence here
              "flatlm_big": lambda: g_big.conditionals(tokens, lens)}
     # flatlm's other configuration of the small batch: one chunk per core (`Engine.workers` run at once)
-    split = max(1, small // g._engine.workers)
+    split = max(1, small // default_workers())
     if split < small:
         g_split = dense_grammar(0, max_length=T, batch_size=split)
         np.testing.assert_array_equal(g_split.conditionals(tokens[:small], lens[:small]), ours)

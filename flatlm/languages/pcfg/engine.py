@@ -136,7 +136,7 @@ def default_workers() -> int:
 
 def apply_chunks(calls: list, workers: int):
     """Yield each (compiled fn, args) call's outputs as host arrays, in order, with up to `workers` calls
-    running at once in threads (XLA releases the GIL) and at most `workers` finished ones waiting to be read."""
+    running at once in threads (XLA releases the GIL) and at most `workers` + 1 submitted and not yet read."""
     if workers <= 1 or len(calls) <= 1:
         for fn, args in calls:
             yield {k: np.asarray(v) for k, v in fn(*args).items()}
@@ -160,11 +160,12 @@ def apply_chunks(calls: list, workers: int):
 class Engine:
     """Exact inference for one grammar (`root[N]`, `binary[N, N, N]`, `emit[N, V]`): plans and compiled
     kernels cached per chart size and dtype (float64 under jax x64, else float32), built on first use.
-    `workers`: chunks run at once (`default_workers`)."""
+    `workers`: chunks run at once (None: `default_workers`, asked at the first run, not here: building a grammar
+    must not start JAX's backend, e.g. before a multi-host run's `jax.distributed.initialize`)."""
 
     def __init__(self, root_N, binary_NNN, emit_NV):
         self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
-        self.workers = default_workers()
+        self.workers: int | None = None
         self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
@@ -219,7 +220,8 @@ class Engine:
             calls.append((idx, self.fn(kind, T), (self.plan(T).consts, tok_BT, len_B)))
         compile_all([(fn, args) for _, fn, args in calls])  # every chart size first, in parallel
         results: dict[str, np.ndarray] = {}
-        for (idx, _, _), out in zip(calls, apply_chunks([(fn, args) for _, fn, args in calls], self.workers)):
+        outputs = apply_chunks([(fn, args) for _, fn, args in calls], self.workers or default_workers())
+        for (idx, _, _), out in zip(calls, outputs):
             for k, v in out.items():
                 v = v[: len(idx)]
                 axes = TIME_AXES.get(k, ())
