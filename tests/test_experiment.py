@@ -231,7 +231,8 @@ def test_jobs_train_runs_side_by_side_and_a_failed_one_stops_the_command(tmp_pat
     proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(par), "--quiet", "--jobs", "2",
                    env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "15", "FLATLM_DEBUG_SIGKILL_WORKDIR": "par/runs/b"})
     assert proc.returncode == 1, proc.stderr
-    assert "(it wrote nothing)" in proc.stderr  # --quiet, and killed before its status table
+    tail = proc.stderr.split("b (killed by SIGKILL; log ")[1].splitlines()  # the log's path, then its last lines
+    assert tail[0].endswith("runs/b/experiment.log):") and tail[1].startswith("    "), proc.stderr
     assert "1 run(s) of toy failed" in proc.stderr and "b (killed by SIGKILL; log " in proc.stderr, proc.stderr
     assert (par / "runs" / "a" / "DONE").exists() and not (par / "runs" / "b" / "DONE").exists()
     assert "a  finished" in (par / "runs" / "a" / "experiment.log").read_text()
