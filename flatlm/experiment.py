@@ -201,8 +201,9 @@ def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ..
         return _run_experiment(exp, root, selected, progress)
     with locks.exclusive(root, f"running experiment {exp.name}"):
         _write_spec(exp, root, workdir)
-        pending = [r["name"] for r in selected if not _done(root / "runs" / r["name"], run_config(exp, r).train.steps)]
-        if jobs == 1 or len(pending) < 2:
+        pending = [r["name"] for r in selected if jobs > 1 and not _done(root / "runs" / r["name"],
+                                                                           run_config(exp, r).train.steps)]
+        if len(pending) < 2:  # one at a time (`_run_experiment` checks which runs are done itself)
             return _run_experiment(exp, root, selected, progress)
         status = {r["name"]: "done earlier" for r in selected if r["name"] not in pending}
         ran = experiment_jobs.run_children(pending, list(child_args), root, jobs, progress, exp.name)

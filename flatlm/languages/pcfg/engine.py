@@ -59,6 +59,17 @@ class Compiled:
         return self.executables[self._key(args)](*args)
 
 
+def _with_callers_x64(fn):
+    """`fn` for a worker thread: run under the calling thread's jax x64 setting (a thread-local one)."""
+    x64 = bool(jax.config.x64_enabled)
+
+    def in_workers(*args):
+        with jax.enable_x64(x64):
+            return fn(*args)
+
+    return in_workers
+
+
 def compile_all(pairs: list) -> None:
     """Compile the missing (kernel, arguments) shapes, in parallel threads when there are several."""
     todo = {}
@@ -67,12 +78,7 @@ def compile_all(pairs: list) -> None:
         if fn._key(args) not in fn.executables and key not in todo:
             todo[key] = (fn, args)
     jobs = list(todo.values())
-    x64 = bool(jax.config.x64_enabled)  # a thread-local setting: carry it into the workers
-
-    def compile_job(job):
-        with jax.enable_x64(x64):
-            return job[0]._compile(job[1])
-
+    compile_job = _with_callers_x64(lambda job: job[0]._compile(job[1]))
     if len(jobs) > 1:
         with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
             exes = list(pool.map(compile_job, jobs))
@@ -141,12 +147,7 @@ def apply_chunks(calls: list, workers: int):
         for fn, args in calls:
             yield {k: np.asarray(v) for k, v in fn(*args).items()}
         return
-    x64 = bool(jax.config.x64_enabled)  # a thread-local setting: carry it into the workers
-
-    def one(call):
-        with jax.enable_x64(x64):
-            return {k: np.asarray(v) for k, v in call[0](*call[1]).items()}
-
+    one = _with_callers_x64(lambda call: {k: np.asarray(v) for k, v in call[0](*call[1]).items()})
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending: collections.deque = collections.deque()
         for call in calls:
