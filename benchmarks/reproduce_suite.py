@@ -1,5 +1,5 @@
-"""Where the reproduction suite's time goes: wall time of each experiment of `flatlm reproduce` and each claim's
-share, read from a finished (or partly finished) suite's `timings.json`, and within the experiments the phases
+"""Where the reproduction suite's time goes: wall time of `flatlm reproduce` and of each experiment and claim,
+read from a finished (or partly finished) suite's `suite.json` and `timings.json`, and within the experiments the phases
 (training, exact loss while training, exact loss / probe features + probe / fine-tuning / lookup table after it,
 Tr(H) and spectra), read from each run's DONE marker, metrics.jsonl (`time/exact_loss_s`) and the `seconds` of
 its results.json entries, so speed work is aimed where it pays. Goal (issue 17): the cpu suite < 60 min.
@@ -56,8 +56,10 @@ def main() -> int:
     p.add_argument("--preset", default="cpu")
     args = p.parse_args()
     timings = reproduce.load_timings(args.workdir)
-    total = sum(timings.values())
-    print(f"reproduction suite in {args.workdir}: {total / 60:.1f} min measured; machine now: {load_line()}")
+    total = reproduce.load_wall(args.workdir)
+    print(f"reproduction suite in {args.workdir}: {total / 60:.1f} min of wall measured; machine now: {load_line()}")
+    print("per experiment, from its first run's start to its last one's end, and as a share of the wall time (with "
+          "--jobs the experiments overlap: the shares add up to more than 100%):")
     for cid, exps in reproduce.plan(args.preset).items():
         for name, language in exps:
             key = reproduce.experiment_dir(args.workdir, name, language).name

@@ -10,6 +10,7 @@ interrupted run resumes from its last checkpoint, evaluations already in results
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -188,26 +189,42 @@ def run_experiment(exp, workdir: str, progress: bool = True, only: tuple[str, ..
     may run beside it: each run's own workdir lock keeps two jobs off one run. `jobs` > 1 runs up to that many
     runs at once, each in a child process (`flatlm.experiment_jobs`) built from `child_args`, the command-line
     arguments that give this experiment (--config, --seeds, overrides); the statuses are the same."""
-    validate_experiment(exp)
     experiment_jobs.check_jobs(jobs)
     if jobs > 1 and not child_args:
         raise ValueError("jobs > 1 needs child_args: the arguments of `flatlm experiment` that rebuild exp")
     selected = select_runs(exp, tuple(only))
-    root = paths.path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
     if only and jobs == 1:
+        validate_experiment(exp)
+        root = paths.path(workdir)
+        root.mkdir(parents=True, exist_ok=True)
         with locks.waiting(root / ".experiment.lock", f"writing {exp.name}'s experiment.json"):
             _write_spec(exp, root, workdir)
         return _run_experiment(exp, root, selected, progress)
+    with holding(exp, workdir) as root:
+        todo = pending_children(exp, root, selected, child_args) if jobs > 1 else []
+        if len(todo) < 2:  # one at a time (`_run_experiment` checks which runs are done itself)
+            return _run_experiment(exp, root, selected, progress)
+        ran = experiment_jobs.run_children(todo, jobs, progress, exp.name)
+        return {r["name"]: ran.get(r["name"], "done earlier") for r in selected}
+
+
+@contextlib.contextmanager
+def holding(exp, workdir: str):
+    """Validate `exp`, then hold its workdir's lock (`locks.exclusive`: a second `flatlm experiment` on it stops
+    with one line) with its experiment.json written; yields the workdir."""
+    validate_experiment(exp)
+    root = paths.path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
     with locks.exclusive(root, f"running experiment {exp.name}"):
         _write_spec(exp, root, workdir)
-        pending = [r["name"] for r in selected if jobs > 1 and not _done(root / "runs" / r["name"],
-                                                                           run_config(exp, r).train.steps)]
-        if len(pending) < 2:  # one at a time (`_run_experiment` checks which runs are done itself)
-            return _run_experiment(exp, root, selected, progress)
-        status = {r["name"]: "done earlier" for r in selected if r["name"] not in pending}
-        ran = experiment_jobs.run_children(pending, list(child_args), root, jobs, progress, exp.name)
-        return {r["name"]: status.get(r["name"]) or ran[r["name"]] for r in selected}
+        yield root
+
+
+def pending_children(exp, root, selected: list[dict], child_args, prefix: str = "") -> list:
+    """A `flatlm.experiment_jobs.Child` for each selected run of `exp` in `root` not done yet."""
+    steps = {r["name"]: run_config(exp, r).train.steps for r in selected}
+    return experiment_jobs.children([(n, s) for n, s in steps.items() if not _done(root / "runs" / n, s)],
+                                    child_args, root, prefix)
 
 
 def _write_spec(exp, root, workdir: str) -> None:

@@ -1,15 +1,18 @@
-"""An experiment's runs in parallel processes: `flatlm experiment --jobs N`, `flatlm reproduce --jobs N`.
+"""Runs in parallel processes: `flatlm experiment --jobs N` (an experiment's runs), `flatlm reproduce --jobs N` (the
+runs of every experiment of the suite, in one queue).
 
 On a CPU a run of the `cpu` presets keeps about 1.3 of a machine's cores busy (its models are small: a chain of
 small ops, one after the other), so two runs side by side finish in about the time of one: two 1500-step runs of
 `configs/hmm_mlm.py:cpu` took 11.2 s side by side and 20.9 s one after the other (2-core AMD EPYC, 2026-11-27).
 Each pending run becomes a child `flatlm experiment --run NAME --quiet` process, the mode one job per run uses
-(`launch/tpu.sh experiment`): the run's own workdir lock, shared corpora built once under a lock. The parent keeps
-the experiment's lock, shows one bar over the runs and writes each child's output to `runs/NAME/experiment.log`
-(a local temporary folder for a workdir in a bucket). When a run fails the others already running finish, no new
-one starts, and the command stops with the failed runs, their exit codes and the last lines of their logs. SIGTERM
-or Ctrl-C to the parent is passed to the children, which save a checkpoint and stop (rerun to resume); on Linux a
-child also gets SIGTERM if the parent is killed outright (PR_SET_PDEATHSIG), so no run is left training alone.
+(`launch/tpu.sh experiment`): the run's own workdir lock, shared corpora built once under a lock. The queue starts
+the runs with the most training steps first (`Child.steps`), so that no long run trains alone at the end. The parent
+keeps the experiments' locks, shows one bar over the runs and writes each child's output to
+`<experiment>/runs/NAME/experiment.log` (a local temporary folder for a workdir in a bucket). When a run fails the
+others already running finish, no new one starts, and the command stops with the failed runs, their exit codes and
+the last lines of their logs. SIGTERM or Ctrl-C to the parent is passed to the children, which save a checkpoint and
+stop (rerun to resume); on Linux a child also gets SIGTERM if the parent is killed outright (PR_SET_PDEATHSIG), so
+no run is left training alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -62,20 +66,38 @@ def _log_dir(root) -> str:
     return tempfile.mkdtemp(prefix="flatlm-experiment-logs-") if paths.is_cloud(root) else os.fspath(root)
 
 
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """One run to train in a child process: `flatlm experiment *args --workdir WORKDIR --run NAME --quiet`. `args`
+    must rebuild the parent's experiment (its --config, --seeds and overrides): a child whose experiment differs
+    stops on the workdir's experiment.json (`flatlm.experiment._write_spec`)."""
+
+    key: str  # how the bar and the errors name it, e.g. "adamw-seed0" or "fig3_sgd-hmm/sgd-lr0.5-seed0"
+    args: tuple[str, ...]
+    workdir: str
+    name: str
+    steps: int = 0  # its training steps: longer runs start first
+
+
+def children(runs: list[tuple[str, int]], child_args, root, prefix: str = "") -> list[Child]:
+    """A Child per (run name, training steps) of one experiment in `root`, keyed `prefix + name`."""
+    return [Child(prefix + name, tuple(child_args), os.fspath(root), name, steps) for name, steps in runs]
+
+
 def _tail(path: str) -> str:
     with open(path, errors="replace") as f:
         lines = [ln.rstrip() for ln in f.read().replace("\r", "\n").splitlines() if ln.strip()]
     return "\n".join(f"    {ln}" for ln in lines[-_LOG_TAIL:]) or "    (it wrote nothing)"
 
 
-def run_children(names: list[str], child_args: list[str], root, jobs: int, progress: bool,
-                 label: str) -> dict[str, str]:
-    """Run `flatlm experiment *child_args --workdir root --run NAME --quiet` for every name, up to `jobs` at once;
-    returns {name: "finished"}. `child_args` must rebuild the parent's experiment (its --config, --seeds and
-    overrides): a child whose experiment differs stops on the workdir's experiment.json (`_write_spec`)."""
-    logs = _log_dir(root)
-    queue, running, failed, status = collections.deque(names), {}, [], {}
-    bar = tqdm(total=len(names), desc=f"{label}: runs ({jobs} at once)", unit="run", file=sys.stderr,
+def run_children(todo: list[Child], jobs: int, progress: bool, label: str, on_finished=None) -> dict[str, str]:
+    """Run every child, up to `jobs` at once, the most training steps first (ties in the given order); returns
+    {child key: "finished"}. `on_finished(child, started, ended)` (time.time() seconds) is called as each one
+    finishes. A failed child lets the running ones finish, starts no more, and raises RunFailed."""
+    logs: dict[str, str] = {}  # workdir -> where its runs' logs go
+    queue = collections.deque(sorted(todo, key=lambda c: -c.steps))
+    running, failed, status = {}, [], {}
+    bar = tqdm(total=len(todo), desc=f"{label}: runs ({jobs} at once)", unit="run", file=sys.stderr,
                disable=not progress)
 
     def on_sigterm(signum, frame):
@@ -86,34 +108,38 @@ def run_children(names: list[str], child_args: list[str], root, jobs: int, progr
     try:
         while queue or running:
             while queue and len(running) < jobs and not failed:
-                name = queue.popleft()
-                log_path = os.path.join(logs, "runs", name, "experiment.log")
+                child = queue.popleft()
+                if child.workdir not in logs:
+                    logs[child.workdir] = _log_dir(child.workdir)
+                log_path = os.path.join(logs[child.workdir], "runs", child.name, "experiment.log")
                 os.makedirs(os.path.dirname(log_path), exist_ok=True)
                 log = open(log_path, "w")  # noqa: SIM115 - closed when the child exits
-                cmd = [sys.executable, "-m", "flatlm.cli", "experiment", *child_args, "--workdir", os.fspath(root),
-                       "--run", name, "--quiet"]
+                cmd = [sys.executable, "-m", "flatlm.cli", "experiment", *child.args, "--workdir", child.workdir,
+                       "--run", child.name, "--quiet"]
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env={**os.environ, PARENT_ENV: str(os.getpid())})
-                running[name] = (proc, log, log_path)
-                bar.set_postfix_str(", ".join(running), refresh=True)
+                running[child] = (proc, log, log_path, time.time())
+                bar.set_postfix_str(", ".join(c.key for c in running), refresh=True)
             time.sleep(_POLL_S)
-            for name, (proc, log, log_path) in list(running.items()):
+            for child, (proc, log, log_path, started) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 log.close()
-                del running[name]
+                del running[child]
                 if proc.returncode == 0:
-                    status[name] = "finished"
+                    status[child.key] = "finished"
                     bar.update(1)
+                    if on_finished is not None:
+                        on_finished(child, started, time.time())
                 else:
-                    failed.append((name, proc.returncode, log_path))
-                bar.set_postfix_str(", ".join(running), refresh=True)
+                    failed.append((child.key, proc.returncode, log_path))
+                bar.set_postfix_str(", ".join(c.key for c in running), refresh=True)
             if failed and not running:
                 break
     finally:
-        for proc, _, _ in running.values():  # Ctrl-C, SIGTERM or an error here: the children stop and save
+        for proc, *_ in running.values():  # Ctrl-C, SIGTERM or an error here: the children stop and save
             proc.send_signal(signal.SIGTERM)
-        for proc, log, _ in running.values():
+        for proc, log, *_ in running.values():
             proc.wait()
             log.close()
         signal.signal(signal.SIGTERM, old)
@@ -121,7 +147,7 @@ def run_children(names: list[str], child_args: list[str], root, jobs: int, progr
     if failed:
         how = lambda rc: f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"  # noqa: E731
         parts = [f"{name} ({how(rc)}; log {path}):\n{_tail(path)}" for name, rc, path in failed]
-        not_started = f"; not started: {', '.join(queue)}" if queue else ""
+        not_started = f"; not started: {', '.join(c.key for c in queue)}" if queue else ""
         raise RunFailed(f"{len(failed)} run(s) of {label} failed{not_started}; the finished ones are kept, "
                         "rerun the same command to resume:\n" + "\n".join(parts))
     return status

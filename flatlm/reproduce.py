@@ -17,19 +17,17 @@ Every effect is paired over the pre-training seeds of the experiment (runs `<nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
-from flatlm import claims, paths
+from flatlm import claims, experiment_jobs, paths
 from flatlm.errors import UserError
-from flatlm.experiment import load_experiment, run_experiment
-from flatlm.report import find_runs, make_report, param_count, spearman_with_ci
+from flatlm.experiment import holding, load_experiment, pending_children, run_experiment
+from flatlm.report import find_runs, param_count, spearman_with_ci
 from flatlm.report_plots import by_seed, lookup_accuracies, split_seed
-from flatlm.reproduce_paper import PAPER_VALUES
 from flatlm.reproduce_points import after_convergence, final, last_in_band, task_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
@@ -103,32 +101,76 @@ def experiment_dir(workdir: str, name: str, language: str) -> paths.Path:
 
 
 def load_timings(workdir: str) -> dict:
-    """{experiment dir name: wall seconds} recorded by `run_suite` ({} if none)."""
+    """{experiment dir name: seconds from its first run's start to its last one's end} recorded by `run_suite`
+    ({} if none). Under `--jobs` the experiments' spans overlap: `load_wall` is the suite's wall time."""
     path = paths.path(workdir) / "timings.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
-              jobs: int = 1) -> dict:
-    """Run (or resume) every experiment the chosen claims need, `jobs` runs of each at once; returns {experiment dir
-    name: seconds}."""
-    timings_path = paths.path(workdir) / "timings.json"
-    timings = load_timings(workdir)
-    paths.path(workdir).mkdir(parents=True, exist_ok=True)
-    (paths.path(workdir) / "suite.json").write_text(json.dumps({"preset": preset}))
+def load_wall(workdir: str) -> float:
+    """The suite's wall seconds over every `run_suite` call on `workdir` (`suite.json`; for a workdir made before
+    flatlm recorded it, the sum of the experiments' times, which did not overlap then)."""
+    meta = paths.path(workdir) / "suite.json"
+    wall = json.loads(meta.read_text()).get("wall_s") if meta.exists() else None
+    return float(wall) if wall is not None else float(sum(load_timings(workdir).values()))
+
+
+def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(experiment file, language) of the chosen claims, each once, in the claims' order."""
+    out = []
     for cid in claim_ids or tuple(SUITE):
         if cid not in SUITE:
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
-        for name, language in plan(preset)[cid]:
-            target = experiment_dir(workdir, name, language)
-            spec = f"{CONFIGS / name}.py:{preset},{language}"
+        out += [e for e in plan(preset)[cid] if e not in out]
+    return out
+
+
+def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
+              jobs: int = 1) -> dict:
+    """Run (or resume) every experiment the chosen claims need; returns `load_timings`. `jobs` > 1: the pending runs
+    of all of them in one queue, `jobs` at a time (`flatlm.experiment_jobs`), the longest first; else one
+    experiment after the other, one run at a time. The suite's wall time goes to `suite.json` (`load_wall`)."""
+    root = paths.path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    meta = root / "suite.json"
+    wall = load_wall(workdir)
+    paths.write_text(meta, json.dumps({"preset": preset, "wall_s": wall}))
+    timings = load_timings(workdir)
+    t0 = time.time()
+
+    def record(extra: dict) -> None:
+        for name, seconds in extra.items():
+            timings[name] = timings.get(name, 0.0) + seconds
+        paths.write_text(root / "timings.json", json.dumps(timings, indent=1))
+        paths.write_text(meta, json.dumps({"preset": preset, "wall_s": wall + time.time() - t0}))
+
+    exps = [(experiment_dir(workdir, n, lang), f"{CONFIGS / n}.py:{preset},{lang}")
+            for n, lang in _experiments(preset, claim_ids)]
+    if jobs == 1:
+        for target, spec in exps:
+            t1 = time.time()
+            status = run_experiment(load_experiment(spec), str(target), progress=progress)
+            ran = any(v == "finished" for v in status.values()) or target.name not in timings
+            record({target.name: time.time() - t1 if ran else 0.0})
+        return timings
+    with contextlib.ExitStack() as stack:
+        todo = []
+        for target, spec in exps:
             exp = load_experiment(spec)
-            t0 = time.time()
-            status = run_experiment(exp, str(target), progress=progress, jobs=jobs, child_args=("--config", spec))
-            if any(v == "finished" for v in status.values()) or target.name not in timings:
-                timings[target.name] = timings.get(target.name, 0.0) + time.time() - t0
-            timings_path.parent.mkdir(parents=True, exist_ok=True)
-            timings_path.write_text(json.dumps(timings, indent=1))
+            stack.enter_context(holding(exp, str(target)))
+            todo += pending_children(exp, target, exp.runs, ("--config", spec), prefix=f"{target.name}/")
+        record({t.name: 0.0 for t, _ in exps})  # every experiment listed, its runs done earlier or not
+        spans: dict[str, list[float]] = {}
+
+        def on_finished(child, started: float, ended: float) -> None:
+            name = child.key.split("/")[0]
+            span = spans.setdefault(name, [started, started])
+            before = span[1] - span[0]
+            span[:] = [min(span[0], started), max(span[1], ended)]
+            record({name: span[1] - span[0] - before})
+
+        experiment_jobs.run_children(todo, jobs, progress, "reproduce", on_finished)
+        record({})
     return timings
 
 
@@ -325,49 +367,3 @@ def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[Claim
                              and name in (n for n, _ in SUITE[cid][2])]
             out.append(result)
     return out
-
-
-# ------------------------------------------------------------------------------------------- the report
-
-
-def _line(f: Finding) -> str:
-    """The finding's effect, the paper's direction and the verdict; under it every seed's difference."""
-    effect = "not measured" if f.effect is None else f.effect.describe(f.scale, f.unit)
-    direction = "higher" if f.expected_sign > 0 else "lower"
-    seeds = list(zip(f.effect.seeds, f.effect.differences, strict=True)) if f.effect and f.effect.seeds else []
-    return (f"- {f.name}: {effect}; the paper: {direction}. **{f.verdict}**"
-            + ("\n  - per seed: " + ", ".join(f"{s}: {f.scale * d:+.3g}" for s, d in seeds) if seeds else ""))
-
-
-def write_report(workdir: str, results: list[ClaimResult], timings: dict, command: str) -> paths.Path:
-    """`<workdir>/report/reproduction.md`: a verdict line per claim, its effects with CIs, every "same loss"
-    check, notes, and per-experiment figures (`flatlm.report.make_report`) under `<workdir>/report/<exp>/`."""
-    out = paths.path(workdir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    total = sum(timings.values())
-    md = [f"# flatlm reproduction\n\nCommand: `{command}`; {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: "
-          f"{platform.machine()}, {os.cpu_count()} CPU cores; wall time of the experiments: {total / 60:.1f} min "
-          f"({', '.join(f'{k} {v / 60:.1f}' for k, v in sorted(timings.items()))}).\n",
-          f'"Same loss": every compared model has exact KL <= {claims.MAX_KL} nats and compared exact losses differ '
-          f"by less than max({claims.MIN_LOSS_GAP} nats, 2 x the larger 5-subset std); against the lookup table "
-          f"(the optimal loss, C5) the model's KL <= {claims.MAX_KL} alone. Effects are per-seed "
-          f"differences with a {int(claims.CONFIDENCE * 100)}% t-interval; a claim is reproduced when every "
-          "interval lies on the paper's side, not reproduced when one lies on the other side, otherwise "
-          "inconclusive (also whenever a compared pair is not at the same loss).\n",
-          "| claim | paper | verdict |", "|---|---|---|"]
-    md += [f"| {r.claim}: {r.title} | {r.figures} | **{r.verdict}** |" for r in results]
-    for r in results:
-        md.append(f"\n## {r.claim} ({r.figures}): {r.title} -- {r.verdict}\n")
-        md += ["The paper:"] + [f"- {v}" for v in PAPER_VALUES.get(r.claim, ["not given"])] + ["", "flatlm:"]
-        md += [_line(f) for f in r.findings] or ["- no effect could be measured"]
-        md += ["", "Same-loss checks:"] + [f"- {name}: {c.describe()}" for name, c in r.same_loss]
-        md += ["", "Notes:"] + [f"- {n}" for n in r.notes] if r.notes else []
-    for name in sorted(timings):
-        exp = paths.path(workdir) / name
-        if exp.exists():
-            make_report([str(exp)], str(out / name))
-            md.append(f"\n## Figures: {name}\n\n[report]({name}/report.md)\n")
-            md += [f"![{p.stem}]({name}/{p.name})" for p in sorted((out / name).glob("*.png"))]
-    path = out / "reproduction.md"
-    paths.write_text(path, "\n".join(md) + "\n")
-    return path

@@ -299,3 +299,60 @@ def test_jobs_children_stop_and_save_when_the_parent_is_stopped_or_killed(tmp_pa
         saved = ckpt.all_steps(str(wd / "runs" / r))
         assert saved and 0 < max(saved) < 100000 and not (wd / "runs" / r / "DONE").exists(), (r, saved)
         assert "interrupted by SIGTERM" in (wd / "runs" / r / "experiment.log").read_text()
+
+
+class _FakeChild:
+    """A stand-in for a child process (`subprocess.Popen` in `flatlm.experiment_jobs`): it records when it starts
+    and ends, runs for 2 of the parent's polls (`polls_of[name]` if given), and fails if its run is in `fail`."""
+
+    log: list = []
+    fail: set = set()
+    polls_of: dict = {}
+
+    def __init__(self, cmd, **kwargs):
+        self.name = cmd[cmd.index("--run") + 1]
+        self.returncode, self.polls = None, 0
+        _FakeChild.log.append(("start", self.name))
+
+    def poll(self):
+        self.polls += 1
+        if self.returncode is None and self.polls >= _FakeChild.polls_of.get(self.name, 2):
+            self.returncode = 1 if self.name in _FakeChild.fail else 0
+            _FakeChild.log.append(("end", self.name))
+        return self.returncode
+
+    def send_signal(self, sig):
+        self.returncode = -sig
+
+    def wait(self):
+        return self.returncode
+
+
+def test_the_jobs_queue_starts_the_longest_runs_first_and_stops_starting_after_a_failure(tmp_path, monkeypatch):
+    """`run_children`: never more than `jobs` children at once, the most training steps first (ties in the given
+    order, across experiments), `on_finished` per finished child; after a failure the running ones finish, none
+    starts, and RunFailed names the failed run and those not started."""
+    from flatlm import experiment_jobs
+    from flatlm.errors import RunFailed
+
+    monkeypatch.setattr(experiment_jobs.subprocess, "Popen", _FakeChild)
+    monkeypatch.setattr(experiment_jobs, "_POLL_S", 0.0)
+    todo = (experiment_jobs.children([("a1", 20), ("a2", 20), ("a3", 80)], ("--config", "a.py"), tmp_path / "a",
+                                     "a/")
+            + experiment_jobs.children([("b1", 40), ("b2", 20)], ("--config", "b.py"), tmp_path / "b", "b/"))
+    _FakeChild.log, _FakeChild.fail, finished = [], set(), []
+    status = experiment_jobs.run_children(todo, 2, False, "suite", lambda c, t0, t1: finished.append(c.key))
+    starts = [n for kind, n in _FakeChild.log if kind == "start"]
+    assert starts == ["a3", "b1", "a1", "a2", "b2"]
+    running = peak = 0
+    for kind, _ in _FakeChild.log:
+        running += 1 if kind == "start" else -1
+        peak = max(peak, running)
+    assert peak == 2 and status == {k: "finished" for k in ("a/a1", "a/a2", "a/a3", "b/b1", "b/b2")}
+    assert sorted(finished) == sorted(status)
+    assert (tmp_path / "b" / "runs" / "b2" / "experiment.log").exists()
+    _FakeChild.log, _FakeChild.fail, _FakeChild.polls_of = [], {"b1"}, {"a3": 5}
+    with pytest.raises(RunFailed, match=r"1 run\(s\) of suite failed; not started: a/a1, a/a2, b/b2;") as e:
+        experiment_jobs.run_children(todo, 2, False, "suite")
+    assert "b/b1 (exit 1; log " in str(e.value)
+    assert _FakeChild.log == [("start", "a3"), ("start", "b1"), ("end", "b1"), ("end", "a3")]  # a3 ran to its end

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from flatlm import reproduce
+from flatlm import reproduce, reproduce_report
 from flatlm.config import base_config
 
 SEEDS = (0, 1, 2)
@@ -193,7 +193,7 @@ def test_without_the_convergence_watch_convergence_is_the_first_checkpoint_in_th
         _run(exp, f"sgd-lr1-seed{s}", {10000: (2.000, 0.018, 0.30, 8.0 + s)})
     (result,) = reproduce.evaluate_claims(str(tmp_path), ("C4",))
     assert result.findings[-1].effect.over == "models" and not result.findings[-1].effect.seeds
-    text = reproduce.write_report(str(tmp_path), [result], {}, "flatlm reproduce").read_text()
+    text = reproduce_report.write_report(str(tmp_path), [result], {}, "flatlm reproduce").read_text()
     assert "over 5 equal-loss models" in text and "  - per seed: 0: -2, 1: -2.1, 2: -2.2\n" in text
     assert "fig3_sgd-hmm: compared sgd-lr0.5 only; not sgd-lr1" in result.notes  # seeds 3, 4 of another method
 
@@ -293,15 +293,15 @@ def test_the_cpu_preset_runs_everything_on_the_hmm_and_says_why_table1_is_left_o
 def test_the_report_draws_models_of_equal_size_across_seeds(tmp_path):
     """C2's runs repeat each size over seeds; the size plot used to compare their results entries and crash."""
     test_c2_orders_models_by_parameter_count(tmp_path)
-    path = reproduce.write_report(str(tmp_path), reproduce.evaluate_claims(str(tmp_path)),
-                                  {"fig2_model_sizes-hmm": 1.0}, "flatlm reproduce")
+    path = reproduce_report.write_report(str(tmp_path), reproduce.evaluate_claims(str(tmp_path)),
+                                         {"fig2_model_sizes-hmm": 1.0}, "flatlm reproduce")
     assert (path.parent / "fig2_model_sizes-hmm" / "accuracy_vs_size.png").exists()
 
 
 def test_the_report_has_a_verdict_line_per_claim(tmp_path):
     test_c3_adversarial_lower_accuracy_and_higher_trace_at_the_same_loss_is_reproduced(tmp_path)
     results = reproduce.evaluate_claims(str(tmp_path))
-    path = reproduce.write_report(str(tmp_path), results, {}, "flatlm reproduce --preset cpu --workdir X")
+    path = reproduce_report.write_report(str(tmp_path), results, {}, "flatlm reproduce --preset cpu --workdir X")
     text = path.read_text()
     assert [r.claim for r in results] == ["C3", "C5"]  # only claims whose experiments exist (C5 shares C3's)
     assert "| C3: the adversarial objective" in text and "**reproduced**" in text
@@ -324,3 +324,41 @@ def test_reproduce_runs_one_claim_end_to_end(tmp_path):
                                                                                             "not reproduced",
                                                                                             "inconclusive")
     assert "## C3" in (tmp_path / "report" / "reproduction.md").read_text()
+
+
+SUITE_EXPERIMENT = '''
+from flatlm.config import load_config
+from flatlm.experiment import experiment_config
+
+def get_config(arg="tiny,hmm"):
+    base = load_config("{tiny}")
+    base.train.update(steps=20, eval_every=10)
+    base.checkpoint.every = 10
+    base.data.data_dir = "{data}"
+    return experiment_config("{name}", base, {runs}, evaluate=False)
+'''
+
+
+def test_reproduce_jobs_trains_the_runs_of_every_experiment_in_one_queue(tmp_path, monkeypatch):
+    """`run_suite(jobs=2)` on a two-experiment suite (exp_a: runs a1, a2 of 20 steps; exp_b: b1 of 40): exp_b's run
+    trains beside exp_a's, so the experiments' spans (first run's start to last one's end) overlap and sum to more
+    than the suite's wall time, which `suite.json` records; an experiment listed by two claims runs once; a rerun
+    trains nothing and adds nothing."""
+    from conftest import REPO
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    for name, runs in (("exp_a", [("a1", []), ("a2", [])]), ("exp_b", [("b1", ["--config.train.steps=40"])])):
+        (tmp_path / f"{name}.py").write_text(SUITE_EXPERIMENT.format(
+            tiny=f"{REPO}/configs/hmm_mlm.py:tiny", data=tmp_path / "data", name=name, runs=runs))
+    plan = {"C1": [("exp_a", "hmm")], "C2": [("exp_b", "hmm")], "C3": [], "C4": [], "C5": [("exp_a", "hmm")]}
+    monkeypatch.setattr(reproduce, "CONFIGS", tmp_path)
+    monkeypatch.setattr(reproduce, "plan", lambda preset: plan)
+    wd = tmp_path / "suite"
+    timings = reproduce.run_suite("tiny", str(wd), progress=False, jobs=2)
+    for run in ("exp_a-hmm/runs/a1", "exp_a-hmm/runs/a2", "exp_b-hmm/runs/b1"):
+        assert (wd / run / "DONE").exists() and (wd / run / "experiment.log").exists(), run
+    wall = reproduce.load_wall(str(wd))
+    assert set(timings) == {"exp_a-hmm", "exp_b-hmm"} and min(timings.values()) > 0
+    assert timings["exp_a-hmm"] + timings["exp_b-hmm"] > wall > max(timings.values()), (timings, wall)
+    assert reproduce.run_suite("tiny", str(wd), progress=False, jobs=2) == timings
+    assert reproduce.load_wall(str(wd)) < wall + 5

@@ -3,7 +3,7 @@ write one report with a verdict per claim (see `flatlm.reproduce`)."""
 
 from __future__ import annotations
 
-from flatlm import reproduce
+from flatlm import reproduce, reproduce_report
 from flatlm.cli.common import add_output_flags
 from flatlm.errors import UserError
 from flatlm.experiment_jobs import check_jobs
@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
     p.add_argument("--report-only", action="store_true", help="no training: judge what the workdir holds")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="train up to N runs of each experiment at once (`flatlm experiment --jobs`; 2 on a 2-core "
-                        "laptop)")
+                   help="train up to N runs at once, the runs of every experiment in one queue, longest first "
+                        "(each in a `flatlm experiment --run` process; 2 on a 2-core laptop)")
     add_output_flags(p)
     p.set_defaults(func=run, overrides=False)
 
@@ -37,12 +37,12 @@ def run(args) -> int:
         timings = reproduce.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs)
     results = reproduce.evaluate_claims(args.workdir, ids)
     command = f"flatlm reproduce --preset {args.preset} --workdir {args.workdir}" + \
-        (f" --claims {','.join(ids)}" if ids else "")
-    path = reproduce.write_report(args.workdir, results, timings, command)
+        (f" --claims {','.join(ids)}" if ids else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+    path = reproduce_report.write_report(args.workdir, results, timings, command)
     rows = [{"claim": r.claim, "paper": r.figures, "verdict": r.verdict, "title": r.title} for r in results]
     if args.json:
         print_json({"workdir": args.workdir, "report": str(path), "claims": rows,
-                    "minutes": sum(timings.values()) / 60})
+                    "minutes": reproduce.load_wall(args.workdir) / 60})
     else:
         print_table(rows, [("claim", "claim", "s"), ("paper", "paper", "s"), ("verdict", "verdict", "s"),
                            ("title", "claim", "s")])
