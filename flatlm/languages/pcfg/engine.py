@@ -80,7 +80,7 @@ def compile_all(pairs: list) -> None:
     jobs = list(todo.values())
     compile_job = _with_callers_x64(lambda job: job[0]._compile(job[1]))
     if len(jobs) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cores())) as pool:
             exes = list(pool.map(compile_job, jobs))
     else:
         exes = [fn._compile(args) for fn, args in jobs]
@@ -128,6 +128,11 @@ def encode_tokens(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
     return np.where(inside_nT, tokens, V).astype(np.int32), lengths
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under `taskset`; else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_workers() -> int:
     """Chunks `Engine.run` applies at once: on the CPU backend one per core this process may use, elsewhere 1.
 
@@ -135,9 +140,7 @@ def default_workers() -> int:
     whatever the intra-op pool's size (the dense grammar's chunk of 4 took 14.7 ms pinned to one core, 14.2 on
     two); independent chunks called from threads share the pool and fill the other cores. On an accelerator the
     chunks would share one device and each would hold its own temporaries: not measured, so not done there."""
-    if jax.default_backend() != "cpu":
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores() if jax.default_backend() == "cpu" else 1
 
 
 def apply_chunks(calls: list, workers: int):
