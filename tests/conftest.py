@@ -86,6 +86,21 @@ def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: in
     return proc
 
 
+def write_toy_experiment(path, data, runs=(("a", []),), *, steps: int = 20, eval_every: int = 10,
+                         checkpoint_every: int = 10, evaluate: bool = False, name: str = "toy", extra=()):
+    """Write a small experiment config to `path`: `configs/hmm_mlm.py:tiny` trained `steps` steps (corpora in
+    `data`), its runs (name, overrides), `extra` more lines of Python on `base` (e.g. evaluation settings)."""
+    body = "".join(f"    {line}\n" for line in extra)
+    path.write_text(
+        "from flatlm.config import load_config\nfrom flatlm.experiment import experiment_config\n\n"
+        f"def get_config(arg=''):\n    base = load_config({str(REPO / 'configs' / 'hmm_mlm.py') + ':tiny'!r})\n"
+        f"    base.train.update(steps={steps}, eval_every={eval_every})\n"
+        f"    base.checkpoint.every = {checkpoint_every}\n"
+        f"    base.data.data_dir = {str(data)!r}\n{body}"
+        f"    return experiment_config({name!r}, base, {[(n, list(o)) for n, o in runs]!r}, evaluate={evaluate})\n")
+    return path
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     return subprocess.run([sys.executable, "-m", "flatlm.cli", *args], capture_output=True, text=True,

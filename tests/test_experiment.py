@@ -7,23 +7,13 @@ import os
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, write_toy_experiment
 
 from flatlm import checkpoint as ckpt
 from flatlm.report import spearman_with_ci
 from flatlm.train.loop import ConvergenceWatch
 
-EXPERIMENT = '''
-from flatlm.config import load_config
-from flatlm.experiment import experiment_config
-
-def get_config(arg="tiny"):
-    base = load_config("{tiny}")
-    base.train.update(steps=20, eval_every=10)
-    base.checkpoint.every = 10
-    base.data.data_dir = "{data}"
-    return experiment_config("toy", base, [("a", []), ("b", ["--config.model.d_model=32"])], evaluate=False)
-'''
+TWO_RUNS = [("a", []), ("b", ["--config.model.d_model=32"])]
 
 
 class _Ckpt:
@@ -79,7 +69,7 @@ def test_spearman_bootstrap_interval():
 
 def test_experiment_resumes_after_sigkill_without_redoing_finished_runs(tmp_path):
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    write_toy_experiment(cfg, tmp_path / "data", TWO_RUNS)
     wd = tmp_path / "exp"
     proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet",
                    env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "15", "FLATLM_DEBUG_SIGKILL_WORKDIR": "runs/b"})
@@ -226,7 +216,7 @@ def test_jobs_train_runs_side_by_side_and_a_failed_one_stops_the_command(tmp_pat
     15) fails the command with exit 1 naming it, its exit code and log, while the other run finishes; the rerun
     resumes it. Every evaluation equals a one-at-a-time run of the same experiment."""
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    write_toy_experiment(cfg, tmp_path / "data", TWO_RUNS)
     par, seq = tmp_path / "par", tmp_path / "seq"
     proc = run_cli("experiment", "--config", str(cfg), "--workdir", str(par), "--quiet", "--jobs", "2",
                    env={"FLATLM_DEBUG_SIGKILL_AT_STEP": "15", "FLATLM_DEBUG_SIGKILL_WORKDIR": "par/runs/b"})
@@ -277,7 +267,7 @@ def test_jobs_children_stop_and_save_when_the_parent_is_stopped_or_killed(tmp_pa
     import time
 
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    write_toy_experiment(cfg, tmp_path / "data", TWO_RUNS)
     wd = tmp_path / "exp"
     args = ["experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet", "--jobs", "2",
             "--config.base.train.steps=100000", "--config.base.train.eval_every=100000",

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPO
+from conftest import write_toy_experiment
 
 from flatlm.cli.main import main
-
-EXPERIMENT = '''
-from flatlm.config import load_config
-from flatlm.experiment import experiment_config
-
-def get_config(arg="tiny"):
-    base = load_config("{tiny}")
-    base.train.update(steps=4, eval_every=4)
-    base.checkpoint.every = 4
-    base.data.data_dir = "{data}"
-    return experiment_config("toy", base, [("a", []), ("b", ["--config.model.d_model=32"])], evaluate=False)
-'''
 
 
 def test_list_and_run_one(tmp_path, capsys):
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=str(REPO / "configs" / "hmm_mlm.py") + ":tiny", data=tmp_path / "data"))
+    write_toy_experiment(cfg, tmp_path / "data", [("a", []), ("b", ["--config.model.d_model=32"])], steps=4,
+                         eval_every=4, checkpoint_every=4)
     assert main(["experiment", "--config", str(cfg), "--list"]) == 0
     assert capsys.readouterr().out.split() == ["a", "b"]
     wd = tmp_path / "exp"

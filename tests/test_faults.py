@@ -17,7 +17,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, write_toy_experiment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,22 +69,9 @@ def test_sigterm_during_train_exits_143_and_the_rerun_resumes_bit_identical(tmp_
         np.testing.assert_array_equal(a, b)
 
 
-EXPERIMENT = """
-from flatlm.config import load_config
-from flatlm.experiment import experiment_config
-
-def get_config(arg=""):
-    base = load_config("{tiny}")
-    base.data.data_dir = "{data}"
-    base.train.update(steps=20, eval_every=20)
-    base.checkpoint.every = 10
-    return experiment_config("toy", base, [("a", []), ("b", ["--config.train.lr=0.002"])], evaluate=False)
-"""
-
-
 def test_sigterm_during_an_experiment_never_marks_the_run_done(tmp_path, data_dir):
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=TINY, data=data_dir))
+    write_toy_experiment(cfg, data_dir, [("a", []), ("b", ["--config.train.lr=0.002"])], eval_every=20)
     wd = tmp_path / "exp"
     args = ["experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet", "--json"]
     proc = run_cli(*args, env={"FLATLM_DEBUG_SIGTERM_AT_STEP": "13", "FLATLM_DEBUG_SIGKILL_WORKDIR": "runs/b"})

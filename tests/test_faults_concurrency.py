@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, write_toy_experiment
 
 from flatlm import locks, results
 from flatlm.errors import UserError
@@ -227,28 +227,14 @@ def test_metrics_have_one_row_per_step_after_sigkill_and_resume(tmp_path):
     assert len(list((wd / "tensorboard").glob("events.out.tfevents.*"))) == 2  # the resumed one purges from 11
 
 
-EXPERIMENT = '''
-from flatlm.config import load_config
-from flatlm.experiment import experiment_config
-
-def get_config(arg="tiny"):
-    base = load_config("{tiny}")
-    base.train.update(steps=20, eval_every=20)
-    base.checkpoint.every = 10
-    base.data.data_dir = "{data}"
-    base.eval.update(tasks=("k3",), task_train_size=200, task_eval_size=100)
-    base.eval.probe.update(epochs=2, num_seeds=1, layers=(1,))
-    base.eval.finetune.enabled = False
-    return experiment_config("toy", base, [("a", [])], evaluate=True)
-'''
-
-
 def test_a_resumed_experiment_redoes_a_cut_evaluation_without_duplicates(tmp_path):
     """A kill between step 20's last-layer probe and its `eval.probe.layers` probe: the resumed experiment redoes
     step 20's evaluation (it once counted a step with a probe entry as evaluated, and marked the run done without
     its layer probe), once, and leaves step 10 alone."""
     cfg = tmp_path / "toy.py"
-    cfg.write_text(EXPERIMENT.format(tiny=TINY, data=tmp_path / "data"))
+    write_toy_experiment(cfg, tmp_path / "data", eval_every=20, evaluate=True, extra=(
+        'base.eval.update(tasks=("k3",), task_train_size=200, task_eval_size=100)',
+        "base.eval.probe.update(epochs=2, num_seeds=1, layers=(1,))", "base.eval.finetune.enabled = False"))
     wd = tmp_path / "exp"
     args = ["experiment", "--config", str(cfg), "--workdir", str(wd), "--quiet"]
     assert run_cli(*args).returncode == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, write_toy_experiment
 
 from flatlm import reproduce, reproduce_report
 from flatlm.config import base_config
@@ -326,30 +326,14 @@ def test_reproduce_runs_one_claim_end_to_end(tmp_path):
     assert "## C3" in (tmp_path / "report" / "reproduction.md").read_text()
 
 
-SUITE_EXPERIMENT = '''
-from flatlm.config import load_config
-from flatlm.experiment import experiment_config
-
-def get_config(arg="tiny,hmm"):
-    base = load_config("{tiny}")
-    base.train.update(steps=20, eval_every=10)
-    base.checkpoint.every = 10
-    base.data.data_dir = "{data}"
-    return experiment_config("{name}", base, {runs}, evaluate=False)
-'''
-
-
 def test_reproduce_jobs_trains_the_runs_of_every_experiment_in_one_queue(tmp_path, monkeypatch):
     """`run_suite(jobs=2)` on a two-experiment suite (exp_a: runs a1, a2 of 20 steps; exp_b: b1 of 40): exp_b's run
     trains beside exp_a's, so the experiments' spans (first run's start to last one's end) overlap and sum to more
     than the suite's wall time, which `suite.json` records; an experiment listed by two claims runs once; a rerun
     trains nothing and adds nothing."""
-    from conftest import REPO
-
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     for name, runs in (("exp_a", [("a1", []), ("a2", [])]), ("exp_b", [("b1", ["--config.train.steps=40"])])):
-        (tmp_path / f"{name}.py").write_text(SUITE_EXPERIMENT.format(
-            tiny=f"{REPO}/configs/hmm_mlm.py:tiny", data=tmp_path / "data", name=name, runs=runs))
+        write_toy_experiment(tmp_path / f"{name}.py", tmp_path / "data", runs, name=name)
     plan = {"C1": [("exp_a", "hmm")], "C2": [("exp_b", "hmm")], "C3": [], "C4": [], "C5": [("exp_a", "hmm")]}
     monkeypatch.setattr(reproduce, "CONFIGS", tmp_path)
     monkeypatch.setattr(reproduce, "plan", lambda preset: plan)
