@@ -130,6 +130,7 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
     """Run (or resume) every experiment the chosen claims need; returns `load_timings`. `jobs` > 1: the pending runs
     of all of them in one queue, `jobs` at a time (`flatlm.experiment_jobs`), the longest first; else one
     experiment after the other, one run at a time. The suite's wall time goes to `suite.json` (`load_wall`)."""
+    experiment_jobs.check_jobs(jobs)  # before anything is written (0 would leave the queue waiting forever)
     root = paths.path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     meta = root / "suite.json"

@@ -346,3 +346,13 @@ def test_reproduce_jobs_trains_the_runs_of_every_experiment_in_one_queue(tmp_pat
     assert timings["exp_a-hmm"] + timings["exp_b-hmm"] > wall > max(timings.values()), (timings, wall)
     assert reproduce.run_suite("tiny", str(wd), progress=False, jobs=2) == timings
     assert reproduce.load_wall(str(wd)) < wall + 5
+
+
+def test_reproduce_refuses_a_job_count_below_one_before_writing_anything(tmp_path):
+    """`run_suite(jobs=0)` through the Python API: a UserError, no workdir made (the queue would never start a run)."""
+    from flatlm.errors import UserError
+
+    with pytest.raises(UserError, match="--jobs 0: pass the number of runs"):
+        reproduce.run_suite("tiny", str(tmp_path / "suite"), progress=False, jobs=0)
+    assert not (tmp_path / "suite").exists()
+
