@@ -174,6 +174,22 @@ def test_wide_blocks_contracted_by_dot_general_match_parse_tree_sums():
         np.testing.assert_allclose(q32[b, : len(words)], ref, rtol=1e-5, atol=1e-5 * ref.max())
 
 
+def test_widths_with_equal_rule_tables_share_one_array():
+    """A dense grammar's widths 2..T all use the whole rule table: the plan holds it once (not T - 1 copies), and
+    that one array is the grammar's binary rules as [B * C, A], padded by zero columns for the inside pass."""
+    g = dense_grammar(0, max_length=12)
+    plan = g._plan(12)
+    N = g.num_nonterminals
+    for name in ("G", "G_in"):
+        assert len({id(a) for a in plan.consts[name].values()}) == 1
+        assert sorted(plan.consts[name]) == list(range(2, 13))
+    G_PN = np.asarray(plan.consts["G"][2])
+    np.testing.assert_array_equal(G_PN, g.binary.reshape(N, N * N).T.astype(np.float32))
+    G_in = np.asarray(plan.consts["G_in"][7])
+    np.testing.assert_array_equal(G_in[:, :N], G_PN)
+    assert G_in.shape[1] % 16 == 0 and np.all(G_in[:, N:] == 0)
+
+
 def test_gemm_autotuning_kept_for_charts_with_wide_blocks_only():
     """XLA:GPU's dot autotuning tripled the released-shape chart's compile time for nothing and sped the dense one's
     batched matmuls up 2.7x (H100): each chart compiles with the options of its kind, chosen from its plan."""

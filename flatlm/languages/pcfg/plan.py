@@ -9,6 +9,7 @@ and leaf tables as JAX arrays, the constants the kernels of `flatlm.languages.pc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +44,11 @@ class Plan:
     left-child/right-child graph, each widened to contiguous index ranges so that it is read by slicing):
     a layered grammar gets one small dense block per layer, a dense grammar one N x N block.
     Takes the grammar's arrays `root[N]`, `binary[N, N, N]`, `emit[N, V]` (see `PCFG`).
+
+    Widths whose rule tables are equal share one array in `consts` (every width >= 2 of a dense grammar): the
+    kernels then read one table from cache instead of a new one per width. The dense N=50 grammar's chart of 32
+    words holds 1.1 MB of tables instead of 35 MB, and its conditionals at a batch of 4 ran ~6 % faster (one
+    process, alternating, 2-core AMD EPYC: 14.3 -> 13.5 ms and 16.6 -> 15.7 ms; at a batch of 16 ~1 %).
     """
 
     def __init__(self, root_N, binary_NNN, emit_NV, T: int, dtype):
@@ -61,6 +67,7 @@ class Plan:
         # The inside pass's product pairs [M, P] x G [P, N] runs faster with N padded by zero columns to a multiple
         # of 16 (XLA:CPU's GEMM tiles): [256, 2500] x [2500, 50] took 0.38-0.59 ms, x [2500, 64] 0.26-0.39 ms.
         N_in = -(-N // 16) * 16 if N > 16 else N
+        tables: dict = {}  # (shape, digest) of a width's rule table -> its (G, G_in) arrays
         for w in range(2, T + 1):
             parents = np.flatnonzero(feas_TN[w])
             if parents.size == 0:
@@ -82,8 +89,11 @@ class Plan:
                 cols.append(G_NLR.reshape(N, -1).T)
             self.widths[w] = Width(int(splits.min()), int(splits.max()), blocks)
             G_PN = np.concatenate(cols, 0)  # [P = sum of block sizes, N]
-            consts["G"][w] = jnp.asarray(G_PN, dtype)  # the outside pass's (contracted over N: no padding)
-            consts["G_in"][w] = jnp.asarray(np.pad(G_PN, ((0, 0), (0, N_in - N))), dtype)  # [P, N_in]
+            key = (G_PN.shape, hashlib.blake2b(G_PN.tobytes()).digest())
+            if key not in tables:  # widths with the same rule table share one array (see the class docstring)
+                tables[key] = (jnp.asarray(G_PN, dtype),  # the outside pass's (contracted over N: no padding)
+                               jnp.asarray(np.pad(G_PN, ((0, 0), (0, N_in - N))), dtype))  # [P, N_in]
+            consts["G"][w], consts["G_in"][w] = tables[key]
         self.N, self.V = N, int(emit_NV.shape[1])
         self.leaf_total = emit_NV.sum(1)
         consts["root"] = jnp.asarray(root_N, dtype)
