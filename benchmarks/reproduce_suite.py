@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import load_line  # noqa: E402
 
-from flatlm import reproduce  # noqa: E402
+from flatlm import reproduce_run  # noqa: E402
 from flatlm import results as results_lib  # noqa: E402
 
 PHASES = ("training", "exact loss (training)", "exact_loss", "probe", "finetune", "lookup_table", "flatness",
@@ -53,16 +53,17 @@ def main() -> int:
     """Print one row per claim and experiment: minutes and share of the suite's total."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="runs/reproduce-cpu")
-    p.add_argument("--preset", default="cpu")
+    p.add_argument("--preset", default=None, help="the suite's preset (default: the one the workdir records)")
     args = p.parse_args()
-    timings = reproduce.load_timings(args.workdir)
-    total = reproduce.load_wall(args.workdir)
+    timings = reproduce_run.load_timings(args.workdir)
+    total = reproduce_run.load_wall(args.workdir)
+    preset = args.preset or reproduce_run.load_preset(args.workdir)
     print(f"reproduction suite in {args.workdir}: {total / 60:.1f} min of wall measured; machine now: {load_line()}")
     print("per experiment, from its first run's start to its last one's end, and as a share of the wall time (with "
           "--jobs the experiments overlap: the shares add up to more than 100%):")
-    for cid, exps in reproduce.plan(args.preset).items():
+    for cid, exps in reproduce_run.plan(preset).items():
         for name, language in exps:
-            key = reproduce.experiment_dir(args.workdir, name, language).name
+            key = reproduce_run.experiment_dir(args.workdir, name, language).name
             if key in timings:
                 print(f"  {cid} {key:32s} {timings[key] / 60:7.1f} min  {100 * timings[key] / total:5.1f}%")
             else:

@@ -11,39 +11,20 @@
                        conditionals, the optimal loss): the pre-training loss does not account for the accuracy.
 
 Every effect is paired over the pre-training seeds of the experiment (runs `<name>-seed<k>`) and judged by
-`flatlm.claims` ("same loss" band, t-interval, verdict). `run_suite` runs the experiments resumably (each in
-`<workdir>/<experiment>/`, like `flatlm experiment`) and records their wall time in `<workdir>/timings.json`.
+`flatlm.claims` ("same loss" band, t-interval, verdict). `flatlm.reproduce_run.run_suite` runs the experiments
+resumably, each in `<workdir>/<experiment>/` like `flatlm experiment`; `evaluate_claims` reads what they wrote.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import time
 from pathlib import Path
 
-from flatlm import claims, experiment_jobs, paths
-from flatlm.errors import UserError
-from flatlm.experiment import holding, load_experiment, pending_children, run_experiment
+from flatlm import claims
 from flatlm.report import find_runs, param_count, spearman_with_ci
 from flatlm.report_plots import by_seed, lookup_accuracies, split_seed
 from flatlm.reproduce_points import after_convergence, final, last_in_band, task_of
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
-# claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
-SUITE = {
-    "C1": ("continuing after convergence: same loss, accuracy up, Tr(H) down", "Figure 1",
-           [("fig1_after_convergence", "hmm")]),
-    "C2": ("larger models at the same loss transfer better and are flatter", "Figures 2 and 5",
-           [("fig2_model_sizes", "hmm"), ("fig5_grown_sizes", "pcfg")]),
-    "C3": ("the adversarial objective at the same loss transfers worse, with larger Tr(H)", "Tables 1 and 2",
-           [("table1_hmm", "hmm"), ("table1", "pcfg"), ("table2", "pcfg")]),
-    "C4": ("SGD after convergence flattens; Tr(H) and accuracy are anti-correlated", "Figure 3",
-           [("fig3_sgd", "hmm")]),
-    "C5": ("a trained model's probe beats the lookup table's (the true conditionals)", "Table 1 (Section 3.3)",
-           [("table1_hmm", "hmm"), ("table1", "pcfg")]),
-}
+from flatlm.reproduce_run import CPU_LEFT_OUT, SUITE, experiment_dir, load_preset, plan
 
 
 @dataclasses.dataclass
@@ -78,101 +59,6 @@ class ClaimResult:
         if "not reproduced" in verdicts:
             return "not reproduced"
         return "inconclusive"
-
-
-# At `cpu` scale only the HMM reaches exact KL <= 0.02 on two cores (configs/experiments/README.md): the PCFG
-# experiments run on the HMM instead (fig5: BERT on the HMM); Tables 1 and 2 (the PCFG) are left out, and Table 1's
-# comparison runs on the HMM (table1_hmm, which the paper does not have).
-_NO_PCFG = ("is left out at cpu scale: no affordable PCFG reaches KL <= 0.02 on two cores (measured: 0.155 after 3000 "
-            "steps; configs/experiments/README.md)")
-CPU_LEFT_OUT = {"table1": f"table1 (the PCFG) {_NO_PCFG}", "table2": f"table2 (PCFG task C) {_NO_PCFG}"}
-
-
-def plan(preset: str) -> dict[str, list[tuple[str, str]]]:
-    """{claim: [(experiment file, language)]} that `preset` runs."""
-    if preset != "cpu":
-        return {cid: list(spec[2]) for cid, spec in SUITE.items()}
-    return {cid: [(name, "hmm") for name, _ in spec[2] if name not in CPU_LEFT_OUT] for cid, spec in SUITE.items()}
-
-
-def experiment_dir(workdir: str, name: str, language: str) -> paths.Path:
-    """Where the suite keeps one experiment."""
-    return paths.path(workdir) / f"{name}-{language}"
-
-
-def load_timings(workdir: str) -> dict:
-    """{experiment dir name: seconds from its first run's start to its last one's end} recorded by `run_suite`
-    ({} if none). Under `--jobs` the experiments' spans overlap: `load_wall` is the suite's wall time."""
-    path = paths.path(workdir) / "timings.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def load_wall(workdir: str) -> float:
-    """The suite's wall seconds over every `run_suite` call on `workdir` (`suite.json`; for a workdir made before
-    flatlm recorded it, the sum of the experiments' times, which did not overlap then)."""
-    meta = paths.path(workdir) / "suite.json"
-    wall = json.loads(meta.read_text()).get("wall_s") if meta.exists() else None
-    return float(wall) if wall is not None else float(sum(load_timings(workdir).values()))
-
-
-def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(experiment file, language) of the chosen claims, each once, in the claims' order."""
-    out = []
-    for cid in claim_ids or tuple(SUITE):
-        if cid not in SUITE:
-            raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
-        out += [e for e in plan(preset)[cid] if e not in out]
-    return out
-
-
-def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
-              jobs: int = 1) -> dict:
-    """Run (or resume) every experiment the chosen claims need; returns `load_timings`. `jobs` > 1: the pending runs
-    of all of them in one queue, `jobs` at a time (`flatlm.experiment_jobs`), the longest first; else one
-    experiment after the other, one run at a time. The suite's wall time goes to `suite.json` (`load_wall`)."""
-    experiment_jobs.check_jobs(jobs)  # before anything is written (0 would leave the queue waiting forever)
-    root = paths.path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
-    meta = root / "suite.json"
-    wall = load_wall(workdir)
-    paths.write_text(meta, json.dumps({"preset": preset, "wall_s": wall}))
-    timings = load_timings(workdir)
-    t0 = time.time()
-
-    def record(extra: dict) -> None:
-        for name, seconds in extra.items():
-            timings[name] = timings.get(name, 0.0) + seconds
-        paths.write_text(root / "timings.json", json.dumps(timings, indent=1))
-        paths.write_text(meta, json.dumps({"preset": preset, "wall_s": wall + time.time() - t0}))
-
-    exps = [(experiment_dir(workdir, n, lang), f"{CONFIGS / n}.py:{preset},{lang}")
-            for n, lang in _experiments(preset, claim_ids)]
-    if jobs == 1:
-        for target, spec in exps:
-            t1 = time.time()
-            status = run_experiment(load_experiment(spec), str(target), progress=progress)
-            ran = any(v == "finished" for v in status.values()) or target.name not in timings
-            record({target.name: time.time() - t1 if ran else 0.0})
-        return timings
-    with contextlib.ExitStack() as stack:
-        todo = []
-        for target, spec in exps:
-            exp = load_experiment(spec)
-            stack.enter_context(holding(exp, str(target)))
-            todo += pending_children(exp, target, exp.runs, ("--config", spec), prefix=f"{target.name}/")
-        record({t.name: 0.0 for t, _ in exps})  # every experiment listed, its runs done earlier or not
-        spans: dict[str, list[float]] = {}
-
-        def on_finished(child, started: float, ended: float) -> None:
-            name = child.key.split("/")[0]
-            span = spans.setdefault(name, [started, started])
-            before = span[1] - span[0]
-            span[:] = [min(span[0], started), max(span[1], ended)]
-            record({name: span[1] - span[0] - before})
-
-        experiment_jobs.run_children(todo, jobs, progress, "reproduce", on_finished)
-        record({})
-    return timings
 
 
 # ------------------------------------------------------------------------------------------- measurements
@@ -341,12 +227,6 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
     else:
         notes.append(f"only {len(pts)} equal-loss models with Tr(H) and accuracy: no rank correlation")
     return ClaimResult("C4", *SUITE["C4"][:2], found, checks, notes)
-
-
-def load_preset(workdir: str) -> str:
-    """The preset `run_suite` recorded in `<workdir>/suite.json` ("cpu" if none)."""
-    meta = paths.path(workdir) / "suite.json"
-    return json.loads(meta.read_text())["preset"] if meta.exists() else "cpu"
 
 
 def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:

@@ -10,8 +10,9 @@ import time
 
 from flatlm import claims, paths
 from flatlm.report import make_report
-from flatlm.reproduce import ClaimResult, Finding, load_wall
+from flatlm.reproduce import ClaimResult, Finding
 from flatlm.reproduce_paper import PAPER_VALUES
+from flatlm.reproduce_run import load_wall
 
 
 def _line(f: Finding) -> str:

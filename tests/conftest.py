@@ -87,9 +87,11 @@ def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: in
 
 
 def write_toy_experiment(path, data, runs=(("a", []),), *, steps: int = 20, eval_every: int = 10,
-                         checkpoint_every: int = 10, evaluate: bool = False, name: str = "toy", extra=()):
+                         checkpoint_every: int = 10, evaluate: bool = False, name: str = "toy", extra=(),
+                         seeds: tuple[int, ...] = ()):
     """Write a small experiment config to `path`: `configs/hmm_mlm.py:tiny` trained `steps` steps (corpora in
-    `data`), its runs (name, overrides), `extra` more lines of Python on `base` (e.g. evaluation settings)."""
+    `data`), its runs (name, overrides), each repeated over `seeds` if any (runs NAME-seedK), `extra` more lines of
+    Python on `base` (e.g. evaluation settings)."""
     body = "".join(f"    {line}\n" for line in extra)
     path.write_text(
         "from flatlm.config import load_config\nfrom flatlm.experiment import experiment_config\n\n"
@@ -97,7 +99,8 @@ def write_toy_experiment(path, data, runs=(("a", []),), *, steps: int = 20, eval
         f"    base.train.update(steps={steps}, eval_every={eval_every})\n"
         f"    base.checkpoint.every = {checkpoint_every}\n"
         f"    base.data.data_dir = {str(data)!r}\n{body}"
-        f"    return experiment_config({name!r}, base, {[(n, list(o)) for n, o in runs]!r}, evaluate={evaluate})\n")
+        f"    return experiment_config({name!r}, base, {[(n, list(o)) for n, o in runs]!r}, evaluate={evaluate},\n"
+        f"                             seeds={tuple(seeds)!r})\n")
     return path
 
 

@@ -28,7 +28,7 @@ LAYERS = [
      "flatlm.report_curvature",
      "flatlm.demo",
      "flatlm.theory", "flatlm.claims", "flatlm.reproduce", "flatlm.reproduce_paper",
-     "flatlm.reproduce_points", "flatlm.reproduce_report"),
+     "flatlm.reproduce_points", "flatlm.reproduce_report", "flatlm.reproduce_run"),
     ("flatlm.cli",),
 ]
 

@@ -3,7 +3,7 @@ experiment, or one of its runs (with its evaluation and flatness); `--list` prin
 
 from __future__ import annotations
 
-from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides
+from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides, seed_list, seeds_text
 from flatlm.errors import UserError
 from flatlm.experiment import load_experiment, run_experiment, select_runs, with_seeds
 from flatlm.experiment_jobs import check_jobs
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
                    "an optional preset after the colon (tiny, cpu, paper; ',hmm' or ',pcfg' picks the language)")
     p.add_argument("--workdir", help="the experiment's folder (local or gs://bucket/...); required unless --list")
     p.add_argument("--list", action="store_true", help="print the experiment's run names, one per line, and exit")
-    p.add_argument("--seeds", default="", metavar="K,K,...",
+    p.add_argument("--seeds", type=seed_list, default=(), metavar="K,K,...",
                    help="repeat the experiment's seed-repeated runs over these pre-training seeds instead of the "
                         "preset's (e.g. 3,4,5 for more seeds in a new --workdir; `flatlm report OLD NEW` pairs all)")
     p.add_argument("--run", action="append", default=[], metavar="NAME",
@@ -35,11 +35,7 @@ def run(args) -> int:
     """List the runs, or run (or resume) every run of the experiment (or the --run ones); print each status."""
     exp = apply_overrides(load_experiment(args.config), args.overrides, hint="--config.base.train.steps=200")
     if args.seeds:
-        try:
-            seeds = tuple(int(k) for k in args.seeds.split(","))
-        except ValueError:
-            raise UserError(f"--seeds {args.seeds!r}: write comma-separated integers, e.g. --seeds 3,4,5") from None
-        exp = with_seeds(exp, seeds)
+        exp = with_seeds(exp, args.seeds)
     if args.list:
         names = [r["name"] for r in select_runs(exp, tuple(args.run))]
         if args.json:
@@ -50,7 +46,8 @@ def run(args) -> int:
     if not args.workdir:
         raise UserError("--workdir is required (except with --list)")
     check_jobs(args.jobs)
-    child_args = ["--config", args.config, *(["--seeds", args.seeds] if args.seeds else []), *args.overrides]
+    seeds = ["--seeds", seeds_text(args.seeds)] if args.seeds else []
+    child_args = ["--config", args.config, *seeds, *args.overrides]
     status = run_experiment(exp, args.workdir, progress=not args.quiet, only=tuple(args.run), jobs=args.jobs,
                             child_args=tuple(child_args))
     if args.json:

@@ -1,10 +1,10 @@
 """`flatlm reproduce --preset cpu --workdir DIR`: run the experiments behind the paper's claims (resumably) and
-write one report with a verdict per claim (see `flatlm.reproduce`)."""
+write one report with a verdict per claim (see `flatlm.reproduce`, `flatlm.reproduce_run`)."""
 
 from __future__ import annotations
 
-from flatlm import reproduce, reproduce_report
-from flatlm.cli.common import add_output_flags
+from flatlm import reproduce, reproduce_report, reproduce_run
+from flatlm.cli.common import add_output_flags, seed_list, seeds_text
 from flatlm.errors import UserError
 from flatlm.experiment_jobs import check_jobs
 from flatlm.table import print_json, print_table
@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default="cpu", help="experiment preset: cpu (laptop, converged), tiny (smoke), paper")
     p.add_argument("--workdir", required=True)
     p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
+    p.add_argument("--seeds", type=seed_list, default=(), metavar="K,K,...",
+                   help="pre-training seeds of every experiment instead of the preset's (e.g. 0,1,2,3,4: narrower "
+                        "intervals for more runs), in a new --workdir; a rerun on the workdir keeps its seeds")
     p.add_argument("--report-only", action="store_true", help="no training: judge what the workdir holds")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="train up to N runs at once, the runs of every experiment in one queue, longest first "
@@ -32,17 +35,20 @@ def run(args) -> int:
         raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
     check_jobs(args.jobs)
     if args.report_only:
-        timings = reproduce.load_timings(args.workdir)
+        timings = reproduce_run.load_timings(args.workdir)
     else:
-        timings = reproduce.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs)
+        timings = reproduce_run.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs,
+                                          seeds=args.seeds)
     results = reproduce.evaluate_claims(args.workdir, ids)
-    command = f"flatlm reproduce --preset {args.preset} --workdir {args.workdir}" + \
-        (f" --claims {','.join(ids)}" if ids else "") + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
+    seeds = reproduce_run.load_seeds(args.workdir)
+    command = f"flatlm reproduce --preset {reproduce_run.load_preset(args.workdir)} --workdir {args.workdir}" + \
+        (f" --claims {','.join(ids)}" if ids else "") + (f" --seeds {seeds_text(seeds)}" if seeds else "") + \
+        (f" --jobs {args.jobs}" if args.jobs > 1 else "")
     path = reproduce_report.write_report(args.workdir, results, timings, command)
     rows = [{"claim": r.claim, "paper": r.figures, "verdict": r.verdict, "title": r.title} for r in results]
     if args.json:
         print_json({"workdir": args.workdir, "report": str(path), "claims": rows,
-                    "minutes": reproduce.load_wall(args.workdir) / 60})
+                    "minutes": reproduce_run.load_wall(args.workdir) / 60})
     else:
         print_table(rows, [("claim", "claim", "s"), ("paper", "paper", "s"), ("verdict", "verdict", "s"),
                            ("title", "claim", "s")])
