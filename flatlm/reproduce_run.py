@@ -36,7 +36,6 @@ SUITE = {
 }
 
 
-
 # At `cpu` scale only the HMM reaches exact KL <= 0.02 on two cores (configs/experiments/README.md): the PCFG
 # experiments run on the HMM instead (fig5: BERT on the HMM); Tables 1 and 2 (the PCFG) are left out, and Table 1's
 # comparison runs on the HMM (table1_hmm, which the paper does not have).
@@ -55,7 +54,6 @@ def plan(preset: str) -> dict[str, list[tuple[str, str]]]:
 def experiment_dir(workdir: str, name: str, language: str) -> paths.Path:
     """Where the suite keeps one experiment."""
     return paths.path(workdir) / f"{name}-{language}"
-
 
 
 def load_timings(workdir: str) -> dict:
@@ -113,7 +111,6 @@ def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
         out += [e for e in plan(preset)[cid] if e not in out]
     return out
-
 
 
 def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
