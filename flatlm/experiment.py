@@ -170,6 +170,12 @@ def with_seeds(exp, seeds: tuple[int, ...]):
     return out
 
 
+def seeds_flag(seeds: tuple[int, ...]) -> tuple[str, ...]:
+    """`--seeds K,K,...` as command-line arguments, () for none: what `--jobs`' child processes and the reproduction
+    report's command line carry (`flatlm experiment` and `flatlm reproduce` read it back)."""
+    return ("--seeds", ",".join(map(str, seeds))) if seeds else ()
+
+
 def select_runs(exp, names: tuple[str, ...]) -> list[dict]:
     """The runs of `exp` named in `names` (all if empty), in the experiment's order; UserError for an unknown name."""
     known = [r["name"] for r in exp.runs]

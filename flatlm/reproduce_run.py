@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flatlm import experiment_jobs, paths
 from flatlm.errors import UserError
-from flatlm.experiment import holding, load_experiment, pending_children, run_experiment, with_seeds
+from flatlm.experiment import holding, load_experiment, pending_children, run_experiment, seeds_flag, with_seeds
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 # claim -> (title, the paper's figures, [(experiment file, language)]); languages: the paper's choice per figure
@@ -97,8 +97,8 @@ def check_suite(workdir: str, preset: str, seeds: tuple[int, ...]) -> tuple[int,
                         f"{meta['preset']} or use a new --workdir")
     recorded = tuple(meta.get("seeds") or ())
     if seeds and seeds != recorded:
-        made = f"--seeds {','.join(map(str, recorded))}" if recorded else "the preset's seeds"
-        raise UserError(f"{workdir} was made with {made}, not --seeds {','.join(map(str, seeds))}; use a new "
+        made = " ".join(seeds_flag(recorded)) or "the preset's seeds"
+        raise UserError(f"{workdir} was made with {made}, not {' '.join(seeds_flag(seeds))}; use a new "
                         "--workdir for other seeds")
     return recorded
 
@@ -148,12 +148,12 @@ def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progre
             ran = any(v == "finished" for v in status.values()) or target.name not in timings
             record({target.name: time.time() - t1 if ran else 0.0})
         return timings
-    seed_args = ("--seeds", ",".join(map(str, seeds))) if seeds else ()
     with contextlib.ExitStack() as stack:
         todo = []
         for target, spec, exp in exps:
             stack.enter_context(holding(exp, str(target)))
-            todo += pending_children(exp, target, exp.runs, ("--config", spec, *seed_args), prefix=f"{target.name}/")
+            todo += pending_children(exp, target, exp.runs, ("--config", spec, *seeds_flag(seeds)),
+                                     prefix=f"{target.name}/")
         record({t.name: 0.0 for t, _, _ in exps})  # every experiment listed, its runs done earlier or not
         spans: dict[str, tuple[float, float]] = {}
 

@@ -41,11 +41,6 @@ def seed_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated integers, e.g. --seeds 3,4,5") from None
 
 
-def seeds_text(seeds: tuple[int, ...]) -> str:
-    """--seeds's text for `seeds` (as seed_list reads it)."""
-    return ",".join(map(str, seeds))
-
-
 OVERRIDES_HELP = ("any config field can be set on the command line after the other flags, absl style: "
                   "--config.section.field=value (e.g. --config.train.steps=200 --config.model.d_model=128); "
                   "values are type-checked against the config")

@@ -3,9 +3,9 @@ experiment, or one of its runs (with its evaluation and flatness); `--list` prin
 
 from __future__ import annotations
 
-from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides, seed_list, seeds_text
+from flatlm.cli.common import OVERRIDES_HELP, add_output_flags, apply_overrides, seed_list
 from flatlm.errors import UserError
-from flatlm.experiment import load_experiment, run_experiment, select_runs, with_seeds
+from flatlm.experiment import load_experiment, run_experiment, seeds_flag, select_runs, with_seeds
 from flatlm.experiment_jobs import check_jobs
 from flatlm.table import print_json, print_table
 
@@ -46,8 +46,7 @@ def run(args) -> int:
     if not args.workdir:
         raise UserError("--workdir is required (except with --list)")
     check_jobs(args.jobs)
-    seeds = ["--seeds", seeds_text(args.seeds)] if args.seeds else []
-    child_args = ["--config", args.config, *seeds, *args.overrides]
+    child_args = ["--config", args.config, *seeds_flag(args.seeds), *args.overrides]
     status = run_experiment(exp, args.workdir, progress=not args.quiet, only=tuple(args.run), jobs=args.jobs,
                             child_args=tuple(child_args))
     if args.json:

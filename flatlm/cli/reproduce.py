@@ -4,8 +4,9 @@ write one report with a verdict per claim (see `flatlm.reproduce`, `flatlm.repro
 from __future__ import annotations
 
 from flatlm import reproduce, reproduce_report, reproduce_run
-from flatlm.cli.common import add_output_flags, seed_list, seeds_text
+from flatlm.cli.common import add_output_flags, seed_list
 from flatlm.errors import UserError
+from flatlm.experiment import seeds_flag
 from flatlm.experiment_jobs import check_jobs
 from flatlm.table import print_json, print_table
 
@@ -42,7 +43,7 @@ def run(args) -> int:
     results = reproduce.evaluate_claims(args.workdir, ids)
     seeds = reproduce_run.load_seeds(args.workdir)
     command = f"flatlm reproduce --preset {reproduce_run.load_preset(args.workdir)} --workdir {args.workdir}" + \
-        (f" --claims {','.join(ids)}" if ids else "") + (f" --seeds {seeds_text(seeds)}" if seeds else "") + \
+        (f" --claims {','.join(ids)}" if ids else "") + "".join(f" {a}" for a in seeds_flag(seeds)) + \
         (f" --jobs {args.jobs}" if args.jobs > 1 else "")
     path = reproduce_report.write_report(args.workdir, results, timings, command)
     rows = [{"claim": r.claim, "paper": r.figures, "verdict": r.verdict, "title": r.title} for r in results]
