@@ -24,7 +24,7 @@ from flatlm import claims
 from flatlm.report import find_runs, param_count, spearman_with_ci
 from flatlm.report_plots import by_seed, lookup_accuracies, split_seed
 from flatlm.reproduce_points import after_convergence, final, last_in_band, task_of
-from flatlm.reproduce_run import CPU_LEFT_OUT, SUITE, experiment_dir, load_preset, plan
+from flatlm.reproduce_run import CPU_LEFT_OUT, SUITE, experiment_dir, load_preset, missing, plan
 
 
 @dataclasses.dataclass
@@ -242,7 +242,7 @@ def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[Claim
             "C5": lambda: claim_c5(*[d[n] for n in ("table1_hmm", "table1") if n in d])}
     out = []
     for cid in claim_ids or tuple(SUITE):
-        if all(d[name].exists() for name, _ in steps[cid]):
+        if not missing(workdir, cid):
             result = make[cid]()
             result.notes += [why for name, why in CPU_LEFT_OUT.items() if preset == "cpu"
                              and name in (n for n, _ in SUITE[cid][2])]

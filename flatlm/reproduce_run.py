@@ -3,10 +3,10 @@ one workdir (`run_suite`), and what the workdir records about the run (`suite.js
 `timings.json`: each experiment's time). `flatlm.reproduce` judges the claims from what the runs wrote.
 
 A workdir holds one suite: the preset and the pre-training seeds it was made with are recorded in `suite.json`
-before anything trains, and a later call with another preset or other seeds stops with one line (use a new
---workdir) instead of mixing runs. `--seeds` repeats every experiment's seed-repeated runs over the seeds given
-(`flatlm.experiment.with_seeds`): more seeds, narrower t-intervals (with 3 seeds the 95 % interval is
-mean +- 4.30 standard errors, with 5 seeds +- 2.78).
+before anything trains; a later call without --preset / --seeds keeps them, and one with another preset or other
+seeds stops with one line (use a new --workdir) instead of mixing runs, as does `--report-only`. `--seeds`
+repeats every experiment's seed-repeated runs over the seeds given (`flatlm.experiment.with_seeds`): more seeds,
+narrower t-intervals (with 3 seeds the 95 % interval is mean +- 4.30 standard errors, with 5 seeds +- 2.78).
 """
 
 from __future__ import annotations
@@ -86,21 +86,42 @@ def load_seeds(workdir: str) -> tuple[int, ...]:
     return tuple(_meta(workdir).get("seeds") or ())
 
 
-def check_suite(workdir: str, preset: str, seeds: tuple[int, ...]) -> tuple[int, ...]:
-    """The seeds to run in `workdir`: `seeds`, or those recorded there when `seeds` is empty. UserError when the
-    workdir was made with another preset or other seeds (its runs would be mixed with the new ones)."""
+def check_suite(workdir: str, preset: str | None, seeds: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """(preset, seeds) of `workdir`: those given, or for an empty one (None, ()) those recorded there ("cpu" and the
+    preset's seeds for a new workdir). UserError when the workdir was made with another preset or other seeds (its
+    runs would be mixed with the new ones, or judged as another preset's)."""
     meta = _meta(workdir)
-    if not meta:
-        return seeds
-    if meta.get("preset", preset) != preset:
-        raise UserError(f"{workdir} holds the suite of --preset {meta['preset']}, not {preset}; rerun with --preset "
-                        f"{meta['preset']} or use a new --workdir")
     recorded = tuple(meta.get("seeds") or ())
-    if seeds and seeds != recorded:
-        made = " ".join(seeds_flag(recorded)) or "the preset's seeds"
-        raise UserError(f"{workdir} was made with {made}, not {' '.join(seeds_flag(seeds))}; use a new "
-                        "--workdir for other seeds")
-    return recorded
+    made = meta.get("preset", preset or "cpu")
+    if preset and made != preset:
+        raise UserError(f"{workdir} holds the suite of --preset {made}, not {preset}; rerun with --preset {made} "
+                        "or use a new --workdir")
+    if meta and seeds and seeds != recorded:
+        was = " ".join(seeds_flag(recorded)) or "the preset's seeds"
+        raise UserError(f"{workdir} was made with {was}, not {' '.join(seeds_flag(seeds))}; use a new --workdir for "
+                        "other seeds")
+    return made, recorded if meta else tuple(seeds)
+
+
+def missing(workdir: str, claim: str) -> list[str]:
+    """The experiment folders `claim` needs that `workdir` lacks (for the preset `run_suite` recorded)."""
+    return [experiment_dir(workdir, n, lang).name for n, lang in plan(load_preset(workdir))[claim]
+            if not experiment_dir(workdir, n, lang).exists()]
+
+
+def check_report(workdir: str, preset: str | None, seeds: tuple[int, ...], claim_ids: tuple[str, ...]) -> None:
+    """What `--report-only` needs: a workdir holding the suite, made with `preset` and `seeds` where they are given,
+    and every claim asked for by name run there; a UserError naming the command that runs what is missing."""
+    rerun = f"flatlm reproduce --workdir {workdir}"
+    if not paths.path(workdir).is_dir():
+        raise UserError(f"{workdir} does not exist: run `{rerun}` first (without --report-only)")
+    check_suite(workdir, preset, seeds)
+    for cid in claim_ids:
+        if missing(workdir, cid):
+            raise UserError(f"{cid} has not run in {workdir} (no {', '.join(missing(workdir, cid))}): run "
+                            f"`{rerun} --claims {cid}` first")
+    if not any(not missing(workdir, cid) for cid in SUITE):
+        raise UserError(f"{workdir} holds no claim's experiments: run `{rerun}` first (without --report-only)")
 
 
 def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -113,15 +134,16 @@ def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str
     return out
 
 
-def run_suite(preset: str, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
+def run_suite(preset: str | None, workdir: str, claim_ids: tuple[str, ...] = (), progress: bool = True,
               jobs: int = 1, seeds: tuple[int, ...] = ()) -> dict:
     """Run (or resume) every experiment the chosen claims need; returns `load_timings`. `jobs` > 1: the pending runs
     of all of them in one queue, `jobs` at a time (`flatlm.experiment_jobs`), the longest first; else one
     experiment after the other, one run at a time. `seeds`: every experiment's seed-repeated runs over these
-    pre-training seeds instead of the preset's (empty: the preset's, or those the workdir was made with). The
-    preset, seeds and wall time go to `suite.json` (`load_preset`, `load_seeds`, `load_wall`)."""
+    pre-training seeds instead of the preset's (empty: the preset's, or those the workdir was made with); `preset`
+    None: the workdir's (`check_suite`). The preset, seeds and wall time go to `suite.json` (`load_preset`,
+    `load_seeds`, `load_wall`)."""
     experiment_jobs.check_jobs(jobs)  # before anything is written (0 would leave the queue waiting forever)
-    seeds = check_suite(workdir, preset, tuple(seeds))
+    preset, seeds = check_suite(workdir, preset, tuple(seeds))
     exps = []
     for n, lang in _experiments(preset, claim_ids):  # every config loads (and takes the seeds) before a write
         spec = f"{CONFIGS / n}.py:{preset},{lang}"

@@ -3,6 +3,8 @@ write one report with a verdict per claim (see `flatlm.reproduce`, `flatlm.repro
 
 from __future__ import annotations
 
+import sys
+
 from flatlm import reproduce, reproduce_report, reproduce_run
 from flatlm.cli.common import add_output_flags, seed_list
 from flatlm.errors import UserError
@@ -14,13 +16,16 @@ from flatlm.table import print_json, print_table
 def add_parser(sub) -> None:
     """Register `reproduce`."""
     p = sub.add_parser("reproduce", help="the paper's claims C1-C5: experiments, effects with CIs, verdicts")
-    p.add_argument("--preset", default="cpu", help="experiment preset: cpu (laptop, converged), tiny (smoke), paper")
+    p.add_argument("--preset", default=None,
+                   help="experiment preset: cpu (laptop, converged), tiny (smoke), paper; default: the workdir's, "
+                        "else cpu")
     p.add_argument("--workdir", required=True)
     p.add_argument("--claims", default="", help=f"comma-separated subset of {','.join(reproduce.SUITE)}")
     p.add_argument("--seeds", type=seed_list, default=(), metavar="K,K,...",
                    help="pre-training seeds of every experiment instead of the preset's (e.g. 0,1,2,3,4: narrower "
                         "intervals for more runs), in a new --workdir; a rerun on the workdir keeps its seeds")
-    p.add_argument("--report-only", action="store_true", help="no training: judge what the workdir holds")
+    p.add_argument("--report-only", action="store_true",
+                   help="no training: judge what the workdir holds (--preset / --seeds, when given, must be its own)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="train up to N runs at once, the runs of every experiment in one queue, longest first "
                         "(each in a `flatlm experiment --run` process; 2 on a 2-core laptop)")
@@ -36,11 +41,15 @@ def run(args) -> int:
         raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
     check_jobs(args.jobs)
     if args.report_only:
+        reproduce_run.check_report(args.workdir, args.preset, args.seeds, ids)
         timings = reproduce_run.load_timings(args.workdir)
     else:
         timings = reproduce_run.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs,
                                           seeds=args.seeds)
     results = reproduce.evaluate_claims(args.workdir, ids)
+    for cid in sorted(set(ids or reproduce.SUITE) - {r.claim for r in results}):
+        print(f"{cid}: not run in {args.workdir} (no {', '.join(reproduce_run.missing(args.workdir, cid))}): "
+              f"`flatlm reproduce --workdir {args.workdir} --claims {cid}` runs it", file=sys.stderr)
     seeds = reproduce_run.load_seeds(args.workdir)
     command = f"flatlm reproduce --preset {reproduce_run.load_preset(args.workdir)} --workdir {args.workdir}" + \
         (f" --claims {','.join(ids)}" if ids else "") + "".join(f" {a}" for a in seeds_flag(seeds)) + \
