@@ -229,9 +229,10 @@ def claim_c4(fig3: Path, equal_loss_dirs: list[Path]) -> ClaimResult:
     return ClaimResult("C4", *SUITE["C4"][:2], found, checks, notes)
 
 
-def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[ClaimResult]:
-    """The verdict of every claim whose experiments exist under `workdir` (for the preset `run_suite` recorded)."""
-    preset = load_preset(workdir)
+def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = (), preset: str | None = None) -> list[ClaimResult]:
+    """The verdict of every claim whose experiments exist under `workdir` (for `preset`, default the one
+    `run_suite` recorded)."""
+    preset = preset or load_preset(workdir)
     steps = plan(preset)
     d = {name: experiment_dir(workdir, name, lang) for exps in steps.values() for name, lang in exps}
     tables = [d[n] for n in ("table1_hmm", "table1", "table2") if n in d]
@@ -242,7 +243,7 @@ def evaluate_claims(workdir: str, claim_ids: tuple[str, ...] = ()) -> list[Claim
             "C5": lambda: claim_c5(*[d[n] for n in ("table1_hmm", "table1") if n in d])}
     out = []
     for cid in claim_ids or tuple(SUITE):
-        if not missing(workdir, cid):
+        if not missing(workdir, cid, preset):
             result = make[cid]()
             result.notes += [why for name, why in CPU_LEFT_OUT.items() if preset == "cpu"
                              and name in (n for n, _ in SUITE[cid][2])]

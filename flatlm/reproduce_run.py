@@ -103,25 +103,27 @@ def check_suite(workdir: str, preset: str | None, seeds: tuple[int, ...]) -> tup
     return made, recorded if meta else tuple(seeds)
 
 
-def missing(workdir: str, claim: str) -> list[str]:
-    """The experiment folders `claim` needs that `workdir` lacks (for the preset `run_suite` recorded)."""
-    return [experiment_dir(workdir, n, lang).name for n, lang in plan(load_preset(workdir))[claim]
+def missing(workdir: str, claim: str, preset: str | None = None) -> list[str]:
+    """The experiment folders `claim` needs that `workdir` lacks (for `preset`, default the one it recorded)."""
+    return [experiment_dir(workdir, n, lang).name for n, lang in plan(preset or load_preset(workdir))[claim]
             if not experiment_dir(workdir, n, lang).exists()]
 
 
-def check_report(workdir: str, preset: str | None, seeds: tuple[int, ...], claim_ids: tuple[str, ...]) -> None:
-    """What `--report-only` needs: a workdir holding the suite, made with `preset` and `seeds` where they are given,
-    and every claim asked for by name run there; a UserError naming the command that runs what is missing."""
+def check_report(workdir: str, preset: str | None, seeds: tuple[int, ...], claim_ids: tuple[str, ...]) -> str:
+    """The preset to judge `workdir` under, for `--report-only`: it must hold the suite, made with `preset` and
+    `seeds` where they are given, and every claim asked for by name; else a UserError naming the command that runs
+    what is missing. (A workdir made before `suite.json` existed is judged under `preset`, default cpu.)"""
     rerun = f"flatlm reproduce --workdir {workdir}"
     if not paths.path(workdir).is_dir():
         raise UserError(f"{workdir} does not exist: run `{rerun}` first (without --report-only)")
-    check_suite(workdir, preset, seeds)
+    preset, _ = check_suite(workdir, preset, seeds)
     for cid in claim_ids:
-        if missing(workdir, cid):
-            raise UserError(f"{cid} has not run in {workdir} (no {', '.join(missing(workdir, cid))}): run "
+        if missing(workdir, cid, preset):
+            raise UserError(f"{cid} has not run in {workdir} (no {', '.join(missing(workdir, cid, preset))}): run "
                             f"`{rerun} --claims {cid}` first")
-    if not any(not missing(workdir, cid) for cid in SUITE):
+    if all(missing(workdir, cid, preset) for cid in SUITE):
         raise UserError(f"{workdir} holds no claim's experiments: run `{rerun}` first (without --report-only)")
+    return preset
 
 
 def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:

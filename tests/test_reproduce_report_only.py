@@ -78,3 +78,15 @@ def test_without_preset_a_workdir_keeps_its_own(tmp_path):
     (wd / "suite.json").write_text(json.dumps({"preset": "tiny", "seeds": [5]}))
     assert reproduce_run.check_suite(str(wd), None, ()) == ("tiny", (5,))
     assert reproduce_run.check_suite(str(wd), "tiny", (5,)) == ("tiny", (5,))
+
+
+def test_a_workdir_without_suite_json_is_judged_under_the_preset_given(tmp_path, capsys):
+    """A workdir made before suite.json (or by hand, as configs/experiments/adversarial_strength.py suggests): cpu
+    by default; under --preset paper, C3 also needs the PCFG tables, which it lacks."""
+    wd = _table1_hmm_workdir(tmp_path / "w")
+    (wd / "suite.json").unlink()
+    assert main(["reproduce", "--report-only", "--workdir", str(wd), "--claims", "C3", "--json"]) == 0
+    assert [c["claim"] for c in json.loads(capsys.readouterr().out)["claims"]] == ["C3"]
+    err = _one_line_error(capsys, ["reproduce", "--report-only", "--workdir", str(wd), "--claims", "C3",
+                                   "--preset", "paper"])
+    assert "C3 has not run in" in err and "(no table1-pcfg, table2-pcfg)" in err

@@ -41,17 +41,18 @@ def run(args) -> int:
         raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
     check_jobs(args.jobs)
     if args.report_only:
-        reproduce_run.check_report(args.workdir, args.preset, args.seeds, ids)
+        preset = reproduce_run.check_report(args.workdir, args.preset, args.seeds, ids)
         timings = reproduce_run.load_timings(args.workdir)
     else:
         timings = reproduce_run.run_suite(args.preset, args.workdir, ids, progress=not args.quiet, jobs=args.jobs,
                                           seeds=args.seeds)
-    results = reproduce.evaluate_claims(args.workdir, ids)
+        preset = reproduce_run.load_preset(args.workdir)
+    results = reproduce.evaluate_claims(args.workdir, ids, preset)
     for cid in sorted(set(ids or reproduce.SUITE) - {r.claim for r in results}):
-        print(f"{cid}: not run in {args.workdir} (no {', '.join(reproduce_run.missing(args.workdir, cid))}): "
+        print(f"{cid}: not run in {args.workdir} (no {', '.join(reproduce_run.missing(args.workdir, cid, preset))}): "
               f"`flatlm reproduce --workdir {args.workdir} --claims {cid}` runs it", file=sys.stderr)
     seeds = reproduce_run.load_seeds(args.workdir)
-    command = f"flatlm reproduce --preset {reproduce_run.load_preset(args.workdir)} --workdir {args.workdir}" + \
+    command = f"flatlm reproduce --preset {preset} --workdir {args.workdir}" + \
         (f" --claims {','.join(ids)}" if ids else "") + "".join(f" {a}" for a in seeds_flag(seeds)) + \
         (f" --jobs {args.jobs}" if args.jobs > 1 else "")
     path = reproduce_report.write_report(args.workdir, results, timings, command)
