@@ -18,12 +18,13 @@ from pathlib import Path
 WORKDIR = os.environ.get("FLATLM_REPRODUCE_WORKDIR", "runs/reproduce-cpu")
 assert Path(WORKDIR, "suite.json").exists() or any(Path(WORKDIR).glob("*/runs")), f"no suite under {WORKDIR}"'''
 
-VERDICT = '''from flatlm import reproduce
+VERDICT = '''from flatlm import reproduce, reproduce_run
+from flatlm.reproduce_paper import PAPER_VALUES
 
 (result,) = reproduce.evaluate_claims(WORKDIR, ("{cid}",))
 print(f"{{result.claim}} ({{result.figures}}): {{result.title}} -- {{result.verdict.upper()}}")
 print("\\nThe paper:")
-for line in reproduce.PAPER_VALUES["{cid}"]:
+for line in PAPER_VALUES["{cid}"]:
     print("  -", line)
 print("\\nflatlm:")
 for f in result.findings:
@@ -42,9 +43,9 @@ from IPython.display import Image, Markdown, display
 from flatlm.report import make_report
 
 out = Path(tempfile.mkdtemp(prefix="flatlm_{cid}_"))
-plan = reproduce.plan(reproduce.load_preset(WORKDIR))["{cid}"]
+plan = reproduce_run.plan(reproduce_run.load_preset(WORKDIR))["{cid}"]
 for name, language in plan:
-    exp = reproduce.experiment_dir(WORKDIR, name, language)
+    exp = reproduce_run.experiment_dir(WORKDIR, name, language)
     if not exp.exists():
         continue
     make_report([str(exp)], str(out / exp.name))
@@ -61,6 +62,8 @@ def notebook(cid: str) -> nbformat.NotebookNode:
                                               "the figures of a finished `flatlm reproduce` workdir."),
                 nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(VERDICT.format(cid=cid)),
                 nbformat.v4.new_code_cell(FIGURES.format(cid=cid))]
+    for i, cell in enumerate(nb.cells):  # fixed ids: regenerating an unchanged template changes no byte
+        cell.id = f"{cid.lower()}-cell-{i}"
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     return nb
 
