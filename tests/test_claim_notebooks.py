@@ -48,3 +48,21 @@ def test_claim_notebook_shows_verdict_and_figures(tmp_path, monkeypatch, cid, ma
     assert f"{cid} (" in text and "The paper:" in text and "Same-loss checks:" in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("cid, make", [("C1", lambda p: make_c1(p, 0.45, "reproduced")), ("C3", make_c3)])
+def test_claim_notebook_code_runs_in_process(tmp_path, monkeypatch, capsys, cid, make):
+    """The fast suite's guard on the notebooks' code (the kernel test above is slow): their cells, executed in this
+    process on the same synthetic suite, find every name they use in flatlm (a name moved between modules stopped
+    every notebook once, seen only by the slow test) and print the verdict and the paper's numbers."""
+    make(tmp_path)
+    monkeypatch.setenv("FLATLM_REPRODUCE_WORKDIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    nb = nbformat.read(REPO / "colabs" / "claims" / f"{cid}.ipynb", as_version=4)
+    namespace: dict = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            exec(compile(cell.source, f"{cid}.ipynb", "exec"), namespace)  # noqa: S102
+    text = capsys.readouterr().out
+    assert f"{cid} (" in text and "The paper:" in text and "Same-loss checks:" in text
+    assert "<IPython.core.display.Image object>" in text  # a figure was drawn and displayed
