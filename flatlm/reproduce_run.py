@@ -118,9 +118,9 @@ def check_report(workdir: str, preset: str | None, seeds: tuple[int, ...], claim
         raise UserError(f"{workdir} does not exist: run `{rerun}` first (without --report-only)")
     preset, _ = check_suite(workdir, preset, seeds)
     for cid in claim_ids:
-        if missing(workdir, cid, preset):
-            raise UserError(f"{cid} has not run in {workdir} (no {', '.join(missing(workdir, cid, preset))}): run "
-                            f"`{rerun} --claims {cid}` first")
+        if lacking := missing(workdir, cid, preset):
+            raise UserError(f"{cid} has not run in {workdir} (no {', '.join(lacking)}): run `{rerun} --claims {cid}` "
+                            "first")
     if all(missing(workdir, cid, preset) for cid in SUITE):
         raise UserError(f"{workdir} holds no claim's experiments: run `{rerun}` first (without --report-only)")
     return preset
