@@ -66,8 +66,7 @@ def load_timings(workdir: str) -> dict:
 def load_wall(workdir: str) -> float:
     """The suite's wall seconds over every `run_suite` call on `workdir` (`suite.json`; for a workdir made before
     flatlm recorded it, the sum of the experiments' times, which did not overlap then)."""
-    meta = paths.path(workdir) / "suite.json"
-    wall = json.loads(meta.read_text()).get("wall_s") if meta.exists() else None
+    wall = _meta(workdir).get("wall_s")
     return float(wall) if wall is not None else float(sum(load_timings(workdir).values()))
 
 
@@ -126,12 +125,18 @@ def check_report(workdir: str, preset: str | None, seeds: tuple[int, ...], claim
     return preset
 
 
-def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(experiment file, language) of the chosen claims, each once, in the claims' order."""
-    out = []
-    for cid in claim_ids or tuple(SUITE):
+def check_claims(claim_ids: tuple[str, ...]) -> None:
+    """UserError for a claim id that is not one of `SUITE`'s."""
+    for cid in claim_ids:
         if cid not in SUITE:
             raise UserError(f"unknown claim {cid!r}; choose from {', '.join(SUITE)}")
+
+
+def _experiments(preset: str, claim_ids: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(experiment file, language) of the chosen claims, each once, in the claims' order."""
+    check_claims(claim_ids)
+    out = []
+    for cid in claim_ids or tuple(SUITE):
         out += [e for e in plan(preset)[cid] if e not in out]
     return out
 

@@ -7,7 +7,6 @@ import sys
 
 from flatlm import reproduce, reproduce_report, reproduce_run
 from flatlm.cli.common import add_output_flags, seed_list
-from flatlm.errors import UserError
 from flatlm.experiment import seeds_flag
 from flatlm.experiment_jobs import check_jobs
 from flatlm.table import print_json, print_table
@@ -36,9 +35,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Run the suite (unless --report-only), then print the verdicts and write the report."""
     ids = tuple(c.strip().upper() for c in args.claims.split(",") if c.strip())
-    unknown = [c for c in ids if c not in reproduce.SUITE]
-    if unknown:
-        raise UserError(f"unknown claim {unknown[0]!r}; choose from {', '.join(reproduce.SUITE)}")
+    reproduce_run.check_claims(ids)
     check_jobs(args.jobs)
     if args.report_only:
         preset = reproduce_run.check_report(args.workdir, args.preset, args.seeds, ids)
