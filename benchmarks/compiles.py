@@ -6,7 +6,9 @@ maps outside a jit. The persistent compilation cache is off, so every compile co
 
     python benchmarks/compiles.py [--explain] -- flatness --workdir RUN --preconditioned ...
 
---explain also prints JAX's reason for each tracing-cache miss. Not part of `make bench` (no goal attached)."""
+Without a command it profiles the start-up goal's command (issue 17): `flatlm train --config
+configs/pcfg_mlm.py:tiny` for one step in a temporary workdir, which is what `make bench` runs. --explain also
+prints JAX's reason for each tracing-cache miss."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import collections
 import logging
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 
@@ -44,6 +48,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the flatlm command line")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        with tempfile.TemporaryDirectory() as workdir:
+            return profile(TINY_TRAIN + ["--workdir", workdir], args)
+    return profile(command, args)
+
+
+# The start-up goal's command (benchmarks/startup_pipeline.py times it); its corpus is built by the run itself.
+TINY_TRAIN = ["train", "--config", str(Path(__file__).resolve().parents[1] / "configs/pcfg_mlm.py:tiny"),
+              "--quiet", "--config.train.steps=1"]
+
+
+def profile(command: list[str], args: argparse.Namespace) -> None:
+    """Run `flatlm COMMAND` in this process and print its compiles, grouped by jitted function."""
     os.environ["FLATLM_COMPILATION_CACHE"] = "off"
     jax.config.update("jax_log_compiles", True)
     jax.config.update("jax_explain_cache_misses", args.explain)
