@@ -87,7 +87,9 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
     split = max(1, small // default_workers())
     if split < small:
         g_split = dense_grammar(0, max_length=T, batch_size=split)
-        np.testing.assert_array_equal(g_split.conditionals(tokens[:small], lens[:small]), ours)
+        # Other chunk shapes compile other kernels: equal up to float32 rounding, not bitwise (at T = 8 they
+        # differed by 2 ulp), so a mis-assembled chunk (errors of the size of q) is what this catches.
+        np.testing.assert_allclose(g_split.conditionals(tokens[:small], lens[:small]), ours, rtol=1e-5, atol=1e-9)
         cases["flatlm_split"] = lambda: g_split.conditionals(tokens[:small], lens[:small])
     cases["flatlm_big"]()
     s = interleave(cases, rounds, settle_s=0.5)  # flatlm at B256 right after Torch-Struct: 236 sent/s, else 320
