@@ -162,20 +162,19 @@ def run_suite(preset: str | None, workdir: str, claim_ids: tuple[str, ...] = (),
     timings = load_timings(workdir)
     t0 = time.time()
 
-    def record(extra: dict) -> None:
-        for name, seconds in extra.items():
-            timings[name] = timings.get(name, 0.0) + seconds
+    def save() -> None:  # after every experiment (or run), so an interrupted suite keeps what it measured
         paths.write_text(root / "timings.json", json.dumps(timings, indent=1))
         paths.write_text(root / "suite.json", json.dumps({"preset": preset, "seeds": list(seeds) or None,
                                                           "wall_s": wall + time.time() - t0}))
 
-    record({})
+    save()
     if jobs == 1:
         for target, _, exp in exps:
             t1 = time.time()
             status = run_experiment(exp, str(target), progress=progress)
-            ran = any(v == "finished" for v in status.values()) or target.name not in timings
-            record({target.name: time.time() - t1 if ran else 0.0})
+            if any(v == "finished" for v in status.values()) or target.name not in timings:
+                timings[target.name] = timings.get(target.name, 0.0) + time.time() - t1
+            save()
         return timings
     with contextlib.ExitStack() as stack:
         todo = []
@@ -183,16 +182,18 @@ def run_suite(preset: str | None, workdir: str, claim_ids: tuple[str, ...] = (),
             stack.enter_context(holding(exp, str(target)))
             todo += pending_children(exp, target, exp.runs, ("--config", spec, *seeds_flag(seeds)),
                                      prefix=f"{target.name}/")
-        record({t.name: 0.0 for t, _, _ in exps})  # every experiment listed, its runs done earlier or not
-        spans: dict[str, tuple[float, float]] = {}
+            timings.setdefault(target.name, 0.0)  # every experiment listed, its runs done earlier or not
+        save()
+        earlier = dict(timings)
+        spans: dict[str, tuple[float, float]] = {}  # experiment: (first start, last end) of its runs in this queue
 
-        def on_finished(child, started: float, ended: float) -> None:  # an experiment's span grows to cover it
+        def on_finished(child, started: float, ended: float) -> None:
             name = paths.path(child.workdir).name
             lo, hi = spans.get(name, (started, ended))
-            before = hi - lo if name in spans else 0.0
             spans[name] = (min(lo, started), max(hi, ended))
-            record({name: spans[name][1] - spans[name][0] - before})
+            timings[name] = earlier[name] + spans[name][1] - spans[name][0]
+            save()
 
         experiment_jobs.run_children(todo, jobs, progress, "reproduce", on_finished)
-        record({})
+        save()
     return timings
