@@ -1,8 +1,9 @@
 """Every script `make bench` runs, run at toy sizes: CI never runs the benchmarks, so a script broken at run time
-(benchmarks/compiles.py exited 2 without a command for a day, which stopped `make bench` at its second script) is
-caught by `make test-all`, not by the next person who needs its numbers. The figures are not checked (toy sizes,
-a busy machine); the exit status and each script's summary line are. Peers absent from the environment are
-skipped by the scripts themselves (`_util.optional_modules`), so this runs without the `bench` extra."""
+(benchmarks/compiles.py exited 2 without a command from f510eb2 on, 2026-11-25 to 11-28, which stopped
+`make bench` at its second script) is caught by `make test-all`, not by the next person who needs its numbers.
+The figures are not checked (toy sizes, a busy machine); the exit status and each script's summary line are.
+Peers absent from the environment are skipped by the scripts themselves (`_util.optional_modules`), so this runs
+without the `bench` extra; with it (`make bench`'s venv), peers.py and train_step.py run their peers too."""
 
 from __future__ import annotations
 
