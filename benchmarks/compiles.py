@@ -23,6 +23,10 @@ from pathlib import Path
 
 import jax
 
+# The start-up goal's command (benchmarks/startup_pipeline.py times it); its corpus is built by the run itself.
+TINY_TRAIN = ["train", "--config", str(Path(__file__).resolve().parents[1] / "configs/pcfg_mlm.py:tiny"),
+              "--quiet", "--config.train.steps=1"]
+
 
 class _Compiles(logging.Handler):
     """Collects JAX's "Finished XLA compilation of jit(NAME) in T sec" records; prints cache-miss explanations."""
@@ -52,11 +56,6 @@ def main(argv: list[str]) -> None:
         with tempfile.TemporaryDirectory() as workdir:
             return profile(TINY_TRAIN + ["--workdir", workdir], args)
     return profile(command, args)
-
-
-# The start-up goal's command (benchmarks/startup_pipeline.py times it); its corpus is built by the run itself.
-TINY_TRAIN = ["train", "--config", str(Path(__file__).resolve().parents[1] / "configs/pcfg_mlm.py:tiny"),
-              "--quiet", "--config.train.steps=1"]
 
 
 def profile(command: list[str], args: argparse.Namespace) -> None:
