@@ -1,7 +1,8 @@
 """flatlm.allocator: after `import flatlm`, a 64 MiB buffer freed and allocated again on a worker thread (as
 XLA:CPU does each step) reuses the heap instead of page-faulting it back in; FLATLM_MALLOC=system and the
-environment's own MALLOC_* settings are honoured. Page faults are counted by the kernel (getrusage), in fresh
-processes (malloc settings are per process)."""
+environment's own MALLOC_* settings are honoured; buffers of 2 GiB and more come from the heap too, and freed
+memory stays in it (never touched, so they cost address space, not memory). Page faults are counted by the kernel
+(getrusage), in fresh processes (malloc settings are per process)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,35 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
 """
 
 
-def _faults(**env) -> int:
+_LARGE = """
+import ctypes, flatlm
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+GIB = 2**30
+big = libc.malloc(5 * GIB // 2)  # never touched: address space only
+print(1 - (ctypes.c_size_t.from_address(big - 8).value >> 1 & 1))  # the chunk's IS_MMAPPED bit: 0 = on the heap
+libc.free(big)
+top = libc.sbrk(0)
+parts = [libc.malloc(5 * GIB // 4) for _ in range(2)]  # each below 2 GiB: on the heap either way
+grown = libc.sbrk(0) - top
+for p in parts:
+    libc.free(p)
+print(int(libc.sbrk(0) - top >= grown))  # 1: the 2.5 GiB freed at the heap's top kept, 0: given back
+"""
+
+
+def _run(script: str, **env) -> list[int]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "FLATLM_MALLOC"))}
-    out = subprocess.run([sys.executable, "-c", _FAULTS], env={**base, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True,
                          check=True)
-    return int(out.stdout.split()[-1])
+    return [int(x) for x in out.stdout.split()]
+
+
+def _faults(**env) -> int:
+    return _run(_FAULTS, **env)[-1]
 
 
 def test_worker_thread_buffers_reuse_the_heap():
@@ -51,10 +76,17 @@ def test_worker_thread_buffers_reuse_the_heap():
     assert _faults(FLATLM_MALLOC="system") > 0.5 * pages  # glibc's default: a fresh mapping each time
 
 
+def test_buffers_above_2_gib_stay_on_the_heap():
+    assert _run(_LARGE) == [1, 1]
+    # the previous settings (2 GiB - 1, the largest positive int): a mapping of its own, and the heap trimmed
+    old = str(2**31 - 1)
+    assert _run(_LARGE, MALLOC_MMAP_THRESHOLD_=old, MALLOC_TRIM_THRESHOLD_=old) == [0, 0]
+
+
 def test_settings_in_the_environment_win():
     assert allocator.configure({"FLATLM_MALLOC": "system"}) == {}
     applied = allocator.configure({"MALLOC_ARENA_MAX": "4"})
-    assert "arena_max" not in applied and applied["mmap_threshold"] == 2**31 - 1
+    assert "arena_max" not in applied and applied["mmap_threshold"] == allocator.NO_LIMIT
 
 
 def test_accelerator_hosts_keep_glibc_defaults(monkeypatch):
