@@ -7,7 +7,8 @@ with a donated state; they run interleaved in rounds (up to `--steps` of each pe
 both alike, and the table reports the median per-step time over rounds. The goal is a ratio <= 1.5x. The XLA
 cost model's FLOP ratio of the two compiled steps is printed too: it is what the ratio tends to where the step is
 compute bound (a CPU), about 1 + (d1 + d2) / (MLM batch); an accelerator can hide part of it at small shapes.
-Measured on 2 CPU cores: 2.68x at MLM batch 256 (FLOPs 2.93x), 1.45x at 1024, 1.27x at 4096.
+Measured on 2 CPU cores (2026-11-28): 3.90x at MLM batch 256 (FLOPs 3.11x), 1.76x at 1024 (1.53x), 1.22x at
+4096 (1.13x); 1.53-1.59x at 4096 before flatlm's allocator kept its 2156 MiB of temporaries on the heap.
 
   .venv/bin/python benchmarks/adversarial_step.py [--layers 2] [--batch 256,1024,4096] [--d1 256]
       [--projection 0,512] [--json]
