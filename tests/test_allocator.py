@@ -17,12 +17,17 @@ from flatlm import allocator
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 
-_FAULTS = """
-import ctypes, resource, threading, flatlm
+_LIBC = """
+import ctypes, flatlm
 
 libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+"""
+
+_FAULTS = _LIBC + """
+import resource, threading
 
 def work():  # plain malloc + touch + free (numpy would ask for huge pages, XLA does not)
     for _ in range(10):
@@ -39,13 +44,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
 """
 
 
-_LARGE = """
-import ctypes, flatlm
-
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+_LARGE = _LIBC + """
 GIB = 2**30
 big = libc.malloc(5 * GIB // 2)  # never touched: address space only
 print(1 - (ctypes.c_size_t.from_address(big - 8).value >> 1 & 1))  # the chunk's IS_MMAPPED bit: 0 = on the heap
