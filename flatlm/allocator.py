@@ -22,8 +22,9 @@ step against 1.13x its FLOPs; now 965 ms, 1.21x), and whenever more than 2 GiB l
 glibc gave all of it back, so a process that alternates programs (training and evaluation, benchmark cases)
 page-faulted its temporaries back in: three L6-H256 steps (1.4 GiB of temporaries each) called in turn took up to
 2.8 s instead of 0.8 s, with 130-420k page faults in most calls; now none after the first round
-(benchmarks/results/cpu-2026-11-28/page_faults_*.txt). A glibc that refuses -1 (older ones capped the mmap
-threshold) gets 2 GiB - 1 instead.
+(benchmarks/results/cpu-2026-11-28/page_faults_*.txt). A glibc that refuses -1 gets 2 GiB - 1 instead; one that
+caps the mmap threshold at HEAP_MAX_SIZE / 2 (32 MiB on 64-bit; some older releases) refuses both and keeps its
+own (`configure` then leaves "mmap_threshold" out). glibc 2.36, on this project's machines, accepts -1.
 
 Nothing is changed when an accelerator plugin (CUDA, ROCm, TPU) is installed and JAX_PLATFORMS does not name cpu
 first: XLA:CPU's temporaries do not matter there, the compile cost would. `FLATLM_MALLOC=system` leaves glibc's
