@@ -18,7 +18,10 @@ Rows, all measured in one run on the first JAX device:
 - exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
   paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out); the PCFG rows at
   each of `--pcfg-chunks` / `--dense-chunks` (inference chunk sizes; one that runs out of memory is an error row):
-  the sweep a GPU default chunk size would be chosen from (the library's defaults, 64 and 16, are the CPU's).
+  the sweep a GPU default chunk size would be chosen from (the library's defaults, 64 and 16, are the CPU's);
+  the released-shape PCFG and the HMM with each of `--transfers` ($FLATLM_HOST_TRANSFER: outputs to the host
+  through pageable or pinned memory, `flatlm.languages.base.start_host_copy`), the HMM also in one call of all
+  its sentences, and the raw device-to-host bandwidth of its 839 MB chunk of conditionals either way.
 
 Step times are medians of `--rounds` rounds of `--steps` back-to-back steps (dispatch pipelined, one sync per
 round). `--out` is rewritten after every section, so a run cut off by a time limit keeps what it measured. Never
@@ -47,6 +50,7 @@ from flatlm import compile_options, paths
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
 from flatlm.languages import hmm as hmm_lib
+from flatlm.languages.base import HOST_TRANSFER_ENV, start_host_copy
 from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import dense_grammar, random_grammar
 from flatlm.models import Bert, model_config
@@ -213,16 +217,29 @@ def per_chunk(make_row, chunks: list[int]) -> dict:
     return rows
 
 
-def pcfg_released_row(small: bool, chunks: list[int] | None = None) -> dict:
+def with_transfer(how: str, call):
+    """call() with $FLATLM_HOST_TRANSFER = how (read by the library at each call), restored after."""
+    before = os.environ.get(HOST_TRANSFER_ENV)
+    os.environ[HOST_TRANSFER_ENV] = how
+    try:
+        return call()
+    finally:
+        if before is None:
+            del os.environ[HOST_TRANSFER_ENV]
+        else:
+            os.environ[HOST_TRANSFER_ENV] = before
+
+
+def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("pageable",)) -> dict:
     """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out), at each
-    inference chunk size (default 4096)."""
+    inference chunk size (default 4096) and host transfer."""
     n_pcfg = 256 if small else 16384
 
     def row(chunk):
         g = random_grammar(0, batch_size=chunk)
         c = g.sample(n_pcfg, seed=1)
-        return {f"pcfg released-shape, chunk {chunk}": throughput(lambda: g.conditionals(c.tokens, c.lengths),
-                                                                  n_pcfg)}
+        return {f"pcfg released-shape, chunk {chunk}, {how}": with_transfer(how, lambda: throughput(
+            lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)) for how in transfers}
 
     return per_chunk(row, chunks or [256 if small else 4096])
 
@@ -242,18 +259,26 @@ def pcfg_dense_row(small: bool, chunks: list[int] | None = None) -> dict:
     return per_chunk(row, chunks or [512])
 
 
-def hmm_rows(small: bool) -> dict:
-    """The paper's HMM end to end (host arrays out) and its kernel alone on device-resident inputs."""
+def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
+    """The paper's HMM end to end (host arrays out) in chunks and in one call, with each host transfer; the raw
+    device-to-host bandwidth of one chunk's conditionals; the kernel alone on device-resident inputs."""
     rows = {}
     hmm = random_hmm(seed=0)
-    n_hmm, hchunk = (1024, 1024) if small else (262144, 65536)
+    n_hmm, hchunk = (1024, 256) if small else (262144, 65536)
     h = hmm.sample(n_hmm, seed=1)
-    rows[f"hmm K=100 V=200 T=16, chunk {hchunk}"] = throughput(
-        lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=hchunk), n_hmm)
+    for how in transfers:
+        for chunk in (hchunk, n_hmm):
+            rows[f"hmm K=100 V=200 T=16, chunk {chunk}, {how}"] = with_transfer(how, lambda c=chunk: throughput(
+                lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))
     # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
     # exact-loss evaluator's KL) sees, without the [n, T, V] float32 copy to the host (12.8 kB a sentence).
     params = hmm._params()
     tok, lens = jax.device_put(h.tokens[:hchunk]), jax.device_put(h.lengths[:hchunk])
+    q = hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready()
+    for how in transfers:  # bytes of one chunk of q to numpy: GB/s = sentences/s * 12.8 kB
+        r = with_transfer(how, lambda: throughput(lambda: np.asarray(start_host_copy(q + 0)), hchunk))
+        rows[f"hmm chunk {hchunk} of q to numpy alone, {how}"] = {**r, "gb_per_s": r["sentences_per_s"] * q[0].nbytes
+                                                                  / 1e9}
     rows[f"hmm kernel on device, batch {hchunk}"] = throughput(
         lambda: hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready(), hchunk)
     return rows
@@ -300,11 +325,15 @@ def main(argv=None) -> int:
     p.add_argument("--dense-chunks", default="", help="dense PCFG chunk sizes to sweep (default 512)")
     p.add_argument("--microbatches", default="", help="also time the last batch's dropout step split into these "
                    "slice counts, comma-separated (train.microbatches: gradient accumulation), e.g. 4,8")
+    p.add_argument("--transfers", default="pageable,pinned", help="host transfers of the released PCFG and HMM "
+                   "rows ($FLATLM_HOST_TRANSFER values), comma-separated")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # hf_in_child's entry point
     args = p.parse_args(argv)
     sizes = lambda text: [int(x) for x in text.split(",") if x] or None  # noqa: E731
-    rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks)),
-            "pcfg-dense": functools.partial(pcfg_dense_row, chunks=sizes(args.dense_chunks)), "hmm": hmm_rows}
+    transfers = tuple(x for x in args.transfers.split(",") if x)
+    rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks), transfers=transfers),
+            "pcfg-dense": functools.partial(pcfg_dense_row, chunks=sizes(args.dense_chunks)),
+            "hmm": functools.partial(hmm_rows, transfers=transfers)}
     which = [w for w in args.conditionals.split(",") if w]
     which = [x for w in which for x in (["pcfg-released", "pcfg-dense"] if w == "pcfg" else [w])]
     if unknown := [w for w in which if w not in rows]:
@@ -360,7 +389,8 @@ def main(argv=None) -> int:
                   + temp)
     for k, v in (res.get("conditionals") or {}).items():
         if isinstance(v, dict) and "sentences_per_s" in v:
-            print(f"{k:42s} {v['sentences_per_s']:14,.0f} sent/s  (compile {v['compile_s']:.1f} s)")
+            rate = f"  {v['gb_per_s']:.2f} GB/s" if "gb_per_s" in v else f"  (compile {v['compile_s']:.1f} s)"
+            print(f"{k:50s} {v['sentences_per_s']:14,.0f} sent/s" + rate)
     errors = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     if errors:
         print("FAILED sections:", ", ".join(errors))

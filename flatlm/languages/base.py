@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Protocol
 
+import jax
 import numpy as np
+
+from flatlm.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +65,33 @@ class Language(Protocol):
     def conditionals(self, tokens, lengths):
         """Exact q[n, T, V] with q[b, t, w] = P(x_t = w | x_-t) for t < lengths[b], 0 beyond."""
         ...
+
+
+HOST_TRANSFER_ENV = "FLATLM_HOST_TRANSFER"
+HOST_TRANSFERS = ("pageable", "pinned")
+
+
+def host_transfer() -> str:
+    """How inference kernels' outputs reach numpy, from $FLATLM_HOST_TRANSFER (read at each call, so one process
+    can compare both): "pageable" (default) or "pinned"; see `start_host_copy`."""
+    how = os.environ.get(HOST_TRANSFER_ENV, "pageable")
+    if how not in HOST_TRANSFERS:
+        raise UserError(f"{HOST_TRANSFER_ENV}={how!r} is not one of {', '.join(HOST_TRANSFERS)}; unset it or pick one")
+    return how
+
+
+def start_host_copy(x: jax.Array) -> jax.Array:
+    """Start x's copy to host memory without waiting for it; `np.asarray(result)` then reads it.
+
+    "pageable": `copy_to_host_async`, then `np.asarray` makes numpy's copy (on the CPU backend x already is in
+    host memory and `np.asarray` shares it). "pinned": a `device_put` into the device's pinned host memory, one
+    DMA that `np.asarray` then reads without another copy. Why the option: JAX's device-to-host copy into
+    pageable memory stages through a bounded buffer (about 2.7 GB/s reported on an H100 where a plain CUDA copy
+    reached 25 GB/s, jax-ml/jax#21438; pinned transfers, jax-ml/jax#22114), and the HMM's conditionals are
+    12.8 kB a sentence: 96k sentences/s end to end on an H100 against a 19M/s kernel (benchmarks/RESULTS.md).
+    Not yet measured by flatlm on a device, hence not the default: `benchmarks/gpu.py --transfers` times both.
+    On the CPU "pinned" costs one more copy (it runs so that the tests check it)."""
+    if host_transfer() == "pinned":
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    x.copy_to_host_async()
+    return x

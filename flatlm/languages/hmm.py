@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.languages.base import Corpus, special_ids
+from flatlm.languages.base import Corpus, special_ids, start_host_copy
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
 # Sentences per device call. Bounds temporary memory at about chunk * T * (2K + V) floats; small enough that
@@ -212,8 +212,7 @@ class HMM:
                 pad = special_ids(self.vocab_size).pad
                 tok_BT = np.pad(tok_BT, ((0, bucket - b), (0, 0)), constant_values=pad)
                 len_B = np.pad(len_B, (0, bucket - b))
-            result = fn(*params, tok_BT, len_B)
-            result.copy_to_host_async()
+            result = start_host_copy(fn(*params, tok_BT, len_B))
             if n <= chunk_size:
                 return np.asarray(result)[:b]
             if out is None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.compile_options import CHART, CHART_SMALL_DOTS, compile_lowered
-from flatlm.languages.base import special_ids
+from flatlm.languages.base import special_ids, start_host_copy
 from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES, has_wide_blocks
 from flatlm.languages.pcfg.plan import Plan
 
@@ -145,12 +145,20 @@ def default_workers() -> int:
 
 def apply_chunks(calls: list, workers: int):
     """Yield each (compiled fn, args) call's outputs as host arrays, in order, with up to `workers` calls
-    running at once in threads (XLA releases the GIL) and at most `workers` + 1 submitted and not yet read."""
+    running at once in threads (XLA releases the GIL) and at most `workers` + 1 submitted and not yet read.
+    One worker (accelerators): call i + 1 is dispatched before call i's outputs are read, so the device computes
+    while the previous chunk travels to the host (`start_host_copy`)."""
     if workers <= 1 or len(calls) <= 1:
+        pending = None
         for fn, args in calls:
-            yield {k: np.asarray(v) for k, v in fn(*args).items()}
+            started = {k: start_host_copy(v) for k, v in fn(*args).items()}
+            if pending is not None:
+                yield {k: np.asarray(v) for k, v in pending.items()}
+            pending = started
+        if pending is not None:
+            yield {k: np.asarray(v) for k, v in pending.items()}
         return
-    one = _with_callers_x64(lambda call: {k: np.asarray(v) for k, v in call[0](*call[1]).items()})
+    one = _with_callers_x64(lambda call: {k: np.asarray(start_host_copy(v)) for k, v in call[0](*call[1]).items()})
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending: collections.deque = collections.deque()
         for call in calls:
