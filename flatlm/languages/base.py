@@ -85,9 +85,9 @@ def start_host_copy(x: jax.Array) -> jax.Array:
 
     "pageable": `copy_to_host_async`, then `np.asarray` makes numpy's copy (on the CPU backend x already is in
     host memory and `np.asarray` shares it). "pinned": a `device_put` into the device's pinned host memory, one
-    DMA that `np.asarray` then reads without another copy. Why the option: JAX's device-to-host copy into
-    pageable memory stages through a bounded buffer (about 2.7 GB/s reported on an H100 where a plain CUDA copy
-    reached 25 GB/s, jax-ml/jax#21438; pinned transfers, jax-ml/jax#22114), and the HMM's conditionals are
+    DMA that `np.asarray` reads in place (checked on the CPU backend; jax-ml/jax#22114 relies on it on GPUs).
+    Why: JAX's device-to-host copy into pageable memory stages through a bounded buffer (about 2.7 GB/s reported
+    on an H100 where a plain CUDA copy reached 25 GB/s, jax-ml/jax#21438), and the HMM's conditionals are
     12.8 kB a sentence: 96k sentences/s end to end on an H100 against a 19M/s kernel (benchmarks/RESULTS.md).
     Not yet measured by flatlm on a device, hence not the default: `benchmarks/gpu.py --transfers` times both.
     On the CPU "pinned" costs one more copy (it runs so that the tests check it)."""
