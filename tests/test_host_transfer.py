@@ -22,7 +22,9 @@ def test_start_host_copy_puts_the_values_where_asked(monkeypatch):
     monkeypatch.setenv(HOST_TRANSFER_ENV, "pinned")
     y = start_host_copy(x)
     assert y.sharding.memory_kind == "pinned_host" and x.sharding.memory_kind != "pinned_host"
-    np.testing.assert_array_equal(np.asarray(y), np.arange(12.0).reshape(3, 4))
+    a = np.asarray(y)
+    np.testing.assert_array_equal(a, np.arange(12.0).reshape(3, 4))
+    assert a.ctypes.data == y.unsafe_buffer_pointer()  # read in place: no second copy
 
 
 @pytest.mark.parametrize("chunk_size", [1024, 32])  # one call (returned as it is), 4 calls into one array
