@@ -260,14 +260,14 @@ def pcfg_dense_row(small: bool, chunks: list[int] | None = None) -> dict:
 
 
 def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
-    """The paper's HMM end to end (host arrays out) in chunks and in one call, with each host transfer; the raw
-    device-to-host bandwidth of one chunk's conditionals; the kernel alone on device-resident inputs."""
+    """The paper's HMM end to end (host arrays out) at the default chunk, a larger one and in one call, with each
+    host transfer; the raw device-to-host bandwidth of one chunk's conditionals; the kernel on device alone."""
     rows = {}
     hmm = random_hmm(seed=0)
     n_hmm, hchunk = (1024, 256) if small else (262144, 65536)
     h = hmm.sample(n_hmm, seed=1)
     for how in transfers:
-        for chunk in (hchunk, n_hmm):
+        for chunk in sorted({hmm_lib._CHUNK, hchunk, n_hmm}):  # the default (the CPU's), a GPU-sized one, all
             rows[f"hmm K=100 V=200 T=16, chunk {chunk}, {how}"] = with_transfer(how, lambda c=chunk: throughput(
                 lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))
     # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
