@@ -277,8 +277,8 @@ def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
     q = hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready()
     for how in transfers:  # bytes of one chunk of q to numpy: GB/s = sentences/s * 12.8 kB
         r = with_transfer(how, lambda: throughput(lambda: np.asarray(start_host_copy(q + 0)), hchunk))
-        rows[f"hmm chunk {hchunk} of q to numpy alone, {how}"] = {**r, "gb_per_s": r["sentences_per_s"] * q[0].nbytes
-                                                                  / 1e9}
+        gb_per_s = r["sentences_per_s"] * q.nbytes / q.shape[0] / 1e9
+        rows[f"hmm chunk {hchunk} of q to numpy alone, {how}"] = {**r, "gb_per_s": gb_per_s}
     rows[f"hmm kernel on device, batch {hchunk}"] = throughput(
         lambda: hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready(), hchunk)
     return rows

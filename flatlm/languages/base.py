@@ -95,3 +95,19 @@ def start_host_copy(x: jax.Array) -> jax.Array:
         return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
     x.copy_to_host_async()
     return x
+
+
+def host_outputs(outputs):
+    """Yield each device output (an array or a dict of arrays) of the iterable `outputs` as numpy, in order, one
+    behind: output i's copy starts as it arrives (`start_host_copy`) and is read only after output i + 1 has been
+    pulled, i.e. dispatched when `outputs` is a generator that calls the kernel: the device computes the next
+    chunk while the previous one travels to the host."""
+    read = lambda out: jax.tree.map(np.asarray, out)  # noqa: E731
+    pending = None
+    for out in outputs:
+        started = jax.tree.map(start_host_copy, out)
+        if pending is not None:
+            yield read(pending)
+        pending = started
+    if pending is not None:
+        yield read(pending)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.languages.base import Corpus, special_ids, start_host_copy
+from flatlm.languages.base import Corpus, host_outputs, special_ids
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
 # Sentences per device call. Bounds temporary memory at about chunk * T * (2K + V) floats; small enough that
@@ -203,24 +203,27 @@ class HMM:
         tokens_NT, lengths_N = self._check_batch(tokens, lengths)
         n = tokens_NT.shape[0]
         params = self._params()
-        out, pending = None, None  # pending: (start, rows, device result) dispatched, not yet copied
-        for start in range(0, max(n, 1), chunk_size):
-            tok_BT, len_B = tokens_NT[start : start + chunk_size], lengths_N[start : start + chunk_size]
-            b = tok_BT.shape[0]
-            bucket = min(chunk_size, 1 << max(b - 1, 0).bit_length())
-            if bucket > b:
-                pad = special_ids(self.vocab_size).pad
-                tok_BT = np.pad(tok_BT, ((0, bucket - b), (0, 0)), constant_values=pad)
-                len_B = np.pad(len_B, (0, bucket - b))
-            result = start_host_copy(fn(*params, tok_BT, len_B))
-            if n <= chunk_size:
-                return np.asarray(result)[:b]
+        starts = range(0, max(n, 1), chunk_size)
+
+        def calls():
+            for start in starts:
+                tok_BT, len_B = tokens_NT[start : start + chunk_size], lengths_N[start : start + chunk_size]
+                b = tok_BT.shape[0]
+                bucket = min(chunk_size, 1 << max(b - 1, 0).bit_length())
+                if bucket > b:
+                    pad = special_ids(self.vocab_size).pad
+                    tok_BT = np.pad(tok_BT, ((0, bucket - b), (0, 0)), constant_values=pad)
+                    len_B = np.pad(len_B, (0, bucket - b))
+                yield fn(*params, tok_BT, len_B)
+
+        if n <= chunk_size:  # one call: its host array as it is (no copy into another)
+            return next(host_outputs(calls()))[:n]
+        out = None
+        for start, result in zip(starts, host_outputs(calls()), strict=True):
             if out is None:
                 out = np.empty((n, *result.shape[1:]), result.dtype)
-            if pending is not None:
-                out[pending[0] : pending[0] + pending[1]] = np.asarray(pending[2])[: pending[1]]
-            pending = (start, b, result)
-        out[pending[0] : pending[0] + pending[1]] = np.asarray(pending[2])[: pending[1]]
+            rows = min(chunk_size, n - start)
+            out[start : start + rows] = result[:rows]
         return out
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.compile_options import CHART, CHART_SMALL_DOTS, compile_lowered
-from flatlm.languages.base import special_ids, start_host_copy
+from flatlm.languages.base import host_outputs, special_ids, start_host_copy
 from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES, has_wide_blocks
 from flatlm.languages.pcfg.plan import Plan
 
@@ -149,14 +149,7 @@ def apply_chunks(calls: list, workers: int):
     One worker (accelerators): call i + 1 is dispatched before call i's outputs are read, so the device computes
     while the previous chunk travels to the host (`start_host_copy`)."""
     if workers <= 1 or len(calls) <= 1:
-        pending = None
-        for fn, args in calls:
-            started = {k: start_host_copy(v) for k, v in fn(*args).items()}
-            if pending is not None:
-                yield {k: np.asarray(v) for k, v in pending.items()}
-            pending = started
-        if pending is not None:
-            yield {k: np.asarray(v) for k, v in pending.items()}
+        yield from host_outputs(fn(*args) for fn, args in calls)
         return
     one = _with_callers_x64(lambda call: {k: np.asarray(start_host_copy(v)) for k, v in call[0](*call[1]).items()})
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
