@@ -25,8 +25,8 @@ and each ratio's median with its min-max over the rounds (rounds are paired, so 
 `--processes N` (default 3) runs the whole comparison in N fresh processes, one after the other, and prints each
 process's lines, then every headline ratio and goal as the median over processes with its min-max. Rounds in one
 process do not show how much a process's speed varies, and here it does: the dense PCFG's chart at B4 runs at one of
-two speeds per process (~12.5 or ~17 ms a call, in ~30-40 % of processes the slower; never when pinned to one
-core, `taskset -c 0`: 12 of 12 at ~13 ms), and Torch-Struct at B4 ranged 2.9-3.5 sent/s across processes, so one
+two speeds per process (11-14 or 16-18 ms a call, the slower in 17 of 54 processes; never when pinned to one
+core, `taskset -c 0`: 22 of 22 at 11-14 ms), and Torch-Struct at B4 ranged 2.9-3.5 sent/s across processes, so one
 process's equal-batch ratio is partly a draw (94x-124x in four processes of 11-28; benchmarks/RESULTS.md).
 """
 
