@@ -268,15 +268,17 @@ def across_processes(args) -> dict:
             raise SystemExit(f"peers.py: process {i + 1} exited {proc.returncode} without results (output above)")
         runs.append(result)
     summary = {"headlines": {}, "goals": {}}
+
+    def values(pair, get):  # the figure in every process that ran the pair
+        return [get(r[pair]) for r in runs if pair in r and "skipped" not in r[pair]]
+
     print(f"\nover {len(runs)} processes: median [min-max] of each process's figure")
     for pair, what, get in HEADLINES:
-        vals = [get(r[pair]) for r in runs if pair in r and "skipped" not in r[pair]]
-        if vals:
+        if vals := values(pair, get):
             summary["headlines"][f"{pair}: {what}"] = v = [float(np.median(vals)), min(vals), max(vals)]
             print(f"   {pair}: {what}: {v[0]:.2f} [{v[1]:.2f}-{v[2]:.2f}]")
     for pair, goal, get, threshold in GOALS:
-        vals = [get(r[pair]) for r in runs if pair in r and "skipped" not in r[pair]]
-        if vals:
+        if vals := values(pair, get):
             med, met_in = float(np.median(vals)), sum(v >= threshold for v in vals)
             summary["goals"][goal] = {"median": med, "min": min(vals), "max": max(vals), "met_in": met_in,
                                       "processes": len(vals), "met": med >= threshold}
