@@ -50,7 +50,7 @@ from flatlm import compile_options, paths
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
 from flatlm.languages import hmm as hmm_lib
-from flatlm.languages.base import HOST_TRANSFER_ENV, start_host_copy
+from flatlm.languages.base import HOST_TRANSFER_ENV, HOST_TRANSFERS, start_host_copy
 from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import dense_grammar, random_grammar
 from flatlm.models import Bert, model_config
@@ -331,6 +331,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sizes = lambda text: [int(x) for x in text.split(",") if x] or None  # noqa: E731
     transfers = tuple(x for x in args.transfers.split(",") if x)
+    if bad := [x for x in transfers if x not in HOST_TRANSFERS]:  # checked before minutes of device time, not after
+        p.error(f"--transfers: unknown {', '.join(bad)}; choose from {', '.join(HOST_TRANSFERS)}")
     rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks), transfers=transfers),
             "pcfg-dense": functools.partial(pcfg_dense_row, chunks=sizes(args.dense_chunks)),
             "hmm": functools.partial(hmm_rows, transfers=transfers)}
