@@ -76,7 +76,7 @@ def time_once(fn: Callable[[], object], reps: int = 1) -> tuple[float, float]:
 
 
 def interleave(cases: dict[str, Callable[[], object]], rounds: int,
-               min_sample_s: float = 0.2, settle_s: float = 0.0) -> dict[str, np.ndarray]:
+               min_sample_s: float = 0.2, settle_s: float = 0.0, states: list | None = None) -> dict[str, np.ndarray]:
     """Time every case round-robin, `rounds` samples each: {name: float[rounds, 2]} of (wall, cpu) s per call.
 
     Each case must block until its work is done, and should be warm (compiled, called once). The first round
@@ -85,10 +85,17 @@ def interleave(cases: dict[str, Callable[[], object]], rounds: int,
     untimed pause, then one untimed call, for peers whose idle threads keep spinning after a call (torch's OpenMP
     pool): they would take cores from the case that follows, and after a pause they run their next call slower
     (Torch-Struct 2.0 instead of 2.9 sent/s): each case is then timed as it runs back to back, on a quiet machine.
+    `states`: a list to append, before each round, the cross-core round trip in ns (`_cores.round_trip_ns`: None
+    where not measured), for ratios by the machine's state (`_cores.by_state`).
     """
+    if states is not None:
+        from _cores import round_trip_ns  # reason: compiles its probe on first use; only the scripts that ask
     reps = dict.fromkeys(cases, 1)
     out = {name: [] for name in cases}
     for _ in range(rounds):
+        if states is not None:
+            time.sleep(settle_s)  # a peer's spinning threads would take the probe's cores
+            states.append(round_trip_ns())
         for name, fn in cases.items():
             if settle_s > 0:
                 time.sleep(settle_s)

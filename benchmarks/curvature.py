@@ -23,6 +23,9 @@ training). Sections:
   5. rank logging (`train.rank.update_ranks`, host SVDs of W - W0, params fetched from the device) once every
      --rank-every steps (the base config's eval interval; `train.rank_every` is 0, off, by default), as a fraction
      of the training time between two logs.
+Sections 1 and 4 sample the cross-core round trip before every round (`_cores.py`) and print their ratios by
+that state too: on the project's 2-core VM a far state (a round trip of ~400 instead of ~100 ns) slows the
+gradient more than its HVP (RESULTS.md, 2026-11-28 fifth).
 Goals (issue 18): SAM step <= 2.1x plain; trace-penalty step (1 probe) <= 3.5x; Lanczos k=20 in <= 25 HVP
 equivalents; rank logging < 5 % of a run. Each is printed as met or missed. Timings on a loaded machine are noise.
 """
@@ -39,6 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _cores import by_state, by_state_line, summary
 from _util import interleave, load_line, xla_flops
 
 from flatlm.config import base_config
@@ -85,13 +89,17 @@ def products(model, params, batch, rounds: int) -> dict:
              "32 stacked hvps": lambda: jax.block_until_ready(mm(X))}
     for fn in cases.values():
         fn()
-    t = {k: float(np.median(s[:, 0])) for k, s in interleave(cases, rounds).items()}
+    ns = []  # the cross-core state before each round (benchmarks/_cores.py)
+    samples = interleave(cases, rounds, states=ns)
+    t = {k: float(np.median(s[:, 0])) for k, s in samples.items()}
     t["stacked hvp"] = t.pop("32 stacked hvps") / 32
+    per_round = samples["hvp linearized"][:, 0] / samples["gradient"][:, 0]
     g = xla_flops(jax.grad(loss), params)
     flops = {"gradient": g, "hvp": xla_flops(lambda p, w: hs.hvp(loss, p, w), params, v),
              "hvp linearized": xla_flops(hs.hvp_fn(loss, params), v)}
     return {"num_params": n, "seconds": t, "per_second": {k: 1 / s for k, s in t.items()},
-            "hvp_over_gradient": t["hvp"] / t["gradient"], "flops": flops,
+            "hvp_over_gradient": t["hvp"] / t["gradient"], "flops": flops, "cross_core_ns": ns,
+            "linearized_over_gradient_by_state": by_state(per_round, ns),
             "flops_over_gradient": {k: f / g for k, f in flops.items()}}
 
 
@@ -148,24 +156,26 @@ def step_ratios(model, params, batch, rounds: int) -> dict:
              "trace_penalty fisher, 1 probe": fo.trace_penalty_objective(fo.FlatConfig(method="trace_penalty")),
              "trace_penalty hutchinson, 1 probe": fo.trace_penalty_objective(
                  fo.FlatConfig(method="trace_penalty", penalty="hutchinson"))}
-    states, cases, flops = {}, {}, {}
+    train_states, cases, flops = {}, {}, {}
     for name, objective in kinds.items():
         fn = functools.partial(train_step, apply_fn=model.apply, optimizer=optimizer, seed=0, objective=objective,
                                dropout=True)
         step = jax.jit(fn, donate_argnums=0)
-        states[name] = {"step": jnp.zeros((), jnp.int32), "params": jax.tree.map(jnp.copy, params),
-                        "opt_state": optimizer.init(params)}
-        flops[name] = xla_flops(fn, states[name], batch)
+        train_states[name] = {"step": jnp.zeros((), jnp.int32), "params": jax.tree.map(jnp.copy, params),
+                              "opt_state": optimizer.init(params)}
+        flops[name] = xla_flops(fn, train_states[name], batch)
 
         def call(name=name, step=step):
-            states[name], metrics = step(states[name], batch)
+            train_states[name], metrics = step(train_states[name], batch)
             jax.block_until_ready(metrics)
 
         call()
         cases[name] = call
-    samples = interleave(cases, rounds)
+    ns = []
+    samples = interleave(cases, rounds, states=ns)
     t = {k: float(np.median(s[:, 0])) for k, s in samples.items()}
-    return {"seconds": t, "ratio": {k: t[k] / t["plain"] for k in t},
+    return {"seconds": t, "ratio": {k: t[k] / t["plain"] for k in t}, "cross_core_ns": ns,
+            "ratio_by_state": {k: by_state(samples[k][:, 0] / samples["plain"][:, 0], ns) for k in t if k != "plain"},
             "flops": flops, "flops_ratio": {k: f / flops["plain"] for k, f in flops.items()},
             "ratio_range": {k: [float(x) for x in np.percentile(samples[k][:, 0] / samples["plain"][:, 0], [0, 100])]
                             for k in t}}
@@ -227,6 +237,8 @@ def main(argv=None) -> dict:
         f = prod["flops_over_gradient"].get(k)
         print(f"   {k:<16} {v:10.1f}/s  ({prod['seconds'][k] * 1e3:.2f} ms)" + (f"  {f:.2f}x FLOPs" if f else ""))
     print(f"   one HVP = {prod['hvp_over_gradient']:.2f} gradients by time")
+    print(f"   linearized product / gradient per round, by the cores' state: "
+          f"{by_state_line(prod['linearized_over_gradient_by_state'])}; {summary(prod['cross_core_ns'])}")
     print(f"\n2. median relative error |est - Tr(H)| / |Tr(H)| over {a.repeats} keys; Bert d_model {a.exact_d_model}, "
           f"1 layer, {err['num_params']:,} parameters, exact Tr(H) = {err['exact_trace']:.6g} "
           f"({err['exact_seconds']:.0f} s)")
@@ -245,6 +257,9 @@ def main(argv=None) -> dict:
         lo, hi = steps["ratio_range"][k]
         print(f"   {k:<36}{t * 1e3:9.1f} ms {steps['ratio'][k]:6.2f}x ({lo:.2f}-{hi:.2f})  "
               f"{steps['flops_ratio'][k]:5.2f}x FLOPs ({steps['flops'][k] / 1e9:.2f} GFLOP)")
+        if k != "plain":
+            print(f"   {'':<36}by the cores' state: {by_state_line(steps['ratio_by_state'][k])}")
+    print(f"   {summary(steps['cross_core_ns'])}")
     print(f"\n5. rank logging: {rk['seconds'] * 1e3:.1f} ms per log, every {rk['every']} steps = "
           f"{100 * rk['overhead']:.2f} % of the training time")
     print("\ngoals")

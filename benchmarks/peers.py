@@ -23,11 +23,12 @@ Every case is timed `--rounds` times round-robin (`_util.interleave`); printed: 
 and each ratio's median with its min-max over the rounds (rounds are paired, so load hits both sides alike).
 
 `--processes N` (default 3) runs the whole comparison in N fresh processes, one after the other, and prints each
-process's lines, then every headline ratio and goal as the median over processes with its min-max. Rounds in one
-process do not show how much a process's speed varies, and here it does: the dense PCFG's chart at B4 runs at one of
-two speeds per process (11-14 or 16-18 ms a call, the slower in 17 of 54 processes; never when pinned to one
-core, `taskset -c 0`: 22 of 22 at 11-14 ms), and Torch-Struct at B4 ranged 2.9-3.5 sent/s across processes, so one
-process's equal-batch ratio is partly a draw (94x-124x in four processes of 11-28; benchmarks/RESULTS.md).
+process's lines, then every headline ratio and goal as the median over processes with its min-max. Before every
+round the cross-core round trip is sampled (`_cores.py`) and each headline's ratio is printed by that state, per
+process and pooled over all rounds: on the project's 2-core VM the two vCPUs are, for seconds to minutes at a time,
+far apart on the host, and the dense PCFG chart at B4 then runs ~35 % slower (11-17 ms a call; slow in 26 of 27 far
+windows, 6 of 244 near ones), so the equal-batch ratio depends on the state its rounds met (benchmarks/RESULTS.md,
+2026-11-28 fifth; the fourth session read the two speeds as per process, from 30-call samples).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _cores import by_state, by_state_line
+from _cores import summary as summary_line
 from _util import cpu_count, interleave, load_line, optional_modules, paired_ratio
 
 from flatlm.flatness import hessian as hs
@@ -100,7 +103,8 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
         np.testing.assert_allclose(g_split.conditionals(tokens[:small], lens[:small]), ours, rtol=1e-5, atol=1e-9)
         cases["flatlm_split"] = lambda: g_split.conditionals(tokens[:small], lens[:small])
     cases["flatlm_big"]()
-    s = interleave(cases, rounds, settle_s=0.5)  # flatlm at B256 right after Torch-Struct: 236 sent/s, else 320
+    ns = []  # the cross-core state before each round
+    s = interleave(cases, rounds, settle_s=0.5, states=ns)  # flatlm B256 right after Torch-Struct: 236 sent/s, else 320
     sizes = {"flatlm_big": big, "torch_struct_1": 1}
     sent_per_s = {k: sizes.get(k, small) / float(np.median(v[:, 0])) for k, v in s.items()}
     peer_best = max(sent_per_s["torch_struct"], sent_per_s["torch_struct_1"])
@@ -109,6 +113,7 @@ def pcfg_pair(rounds: int, small: int, big: int, T: int) -> dict:
                 sent_per_s=sent_per_s, split_chunk=split, small_best=ours_best,
                 speedup_wall=paired_ratio(s["torch_struct"], s[ours_best], 0),
                 speedup_cpu=paired_ratio(s["torch_struct"], s[ours_best], 1),
+                rounds=_rounds(s["torch_struct"], s[ours_best], ns),
                 speedup_big_wall=sent_per_s["flatlm_big"] / sent_per_s["torch_struct"],
                 speedup_best_wall=sent_per_s["flatlm_big"] / peer_best)
 
@@ -139,11 +144,12 @@ def hmm_pair(rounds: int, batch: int) -> dict:
     cases = {"flatlm": lambda: hmm.state_posteriors(tokens, lengths), "hmmlearn": peer_posteriors,
              "flatlm_conditionals": lambda: hmm.conditionals(tokens, lengths)}
     cases["flatlm_conditionals"]()  # compile outside the timed rounds
-    s = interleave(cases, rounds)
+    ns = []
+    s = interleave(cases, rounds, states=ns)
     return dict(batch=batch, max_abs_diff=diff,
                 sent_per_s={k: batch / float(np.median(v[:, 0])) for k, v in s.items()},
                 speedup_wall=paired_ratio(s["hmmlearn"], s["flatlm"], 0),
-                speedup_cpu=paired_ratio(s["hmmlearn"], s["flatlm"], 1),
+                speedup_cpu=paired_ratio(s["hmmlearn"], s["flatlm"], 1), rounds=_rounds(s["hmmlearn"], s["flatlm"], ns),
                 conditionals_vs_peer_posteriors_wall=paired_ratio(s["hmmlearn"], s["flatlm_conditionals"], 0))
 
 
@@ -207,14 +213,16 @@ def hessian_pair(rounds: int, d: int, layers: int, batch: int, probes: int) -> d
              "pyhessian_probes": lambda: ph.trace(maxIter=probes, tol=float("-inf"))}
     for c in cases.values():
         c()
-    s = interleave(cases, rounds)
+    ns = []
+    s = interleave(cases, rounds, states=ns)
     per = {k: np.median(v, axis=0) for k, v in s.items()}
     return dict(d_model=d, layers=layers, batch=batch, probes=probes,
                 flatlm_probe_s=float(per["flatlm_probes"][0] / probes),
                 pyhessian_probe_s=float(per["pyhessian_probes"][0] / probes),
                 flatlm_probe_per_grad_cpu=paired_ratio(s["flatlm_probes"] / probes, s["flatlm_grad"], 1),
                 pyhessian_probe_per_grad_cpu=paired_ratio(s["pyhessian_probes"] / probes, s["torch_grad"], 1),
-                probe_speedup_wall=paired_ratio(s["pyhessian_probes"], s["flatlm_probes"], 0))
+                probe_speedup_wall=paired_ratio(s["pyhessian_probes"], s["flatlm_probes"], 0),
+                rounds=_rounds(s["pyhessian_probes"], s["flatlm_probes"], ns))
 
 
 def _mlm(params, batch, apply_fn):
@@ -226,6 +234,17 @@ def _mlm(params, batch, apply_fn):
 
 def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
+
+
+def _rounds(num: np.ndarray, den: np.ndarray, ns: list) -> dict:
+    """A headline's per-round wall ratio num / den with the cross-core round trip sampled before each round."""
+    r = num[:, 0] / den[:, 0]
+    return {"ratios": r.tolist(), "cross_core_ns": ns, "by_state": by_state(r, ns)}
+
+
+def _state_line(rounds: dict) -> str:
+    """The headline ratio by the cores' state before each round (benchmarks/_cores.py), and the states seen."""
+    return f"  by the cores' state: {by_state_line(rounds['by_state'])}; {summary_line(rounds['cross_core_ns'])}"
 
 
 # Across processes: (pair, what, its value in one process's result) for every headline figure, and the goals as
@@ -267,7 +286,7 @@ def across_processes(args) -> dict:
         if proc.wait() != 0 or result is None:
             raise SystemExit(f"peers.py: process {i + 1} exited {proc.returncode} without results (output above)")
         runs.append(result)
-    summary = {"headlines": {}, "goals": {}}
+    summary = {"headlines": {}, "goals": {}, "by_state": {}}
 
     def values(pair, get):  # the figure in every process that ran the pair
         return [get(r[pair]) for r in runs if pair in r and "skipped" not in r[pair]]
@@ -284,6 +303,13 @@ def across_processes(args) -> dict:
                                       "processes": len(vals), "met": med >= threshold}
             print(f"   goal {goal}: {med:.1f} [{min(vals):.1f}-{max(vals):.1f}], met in {met_in} of {len(vals)} "
                   f"processes; by the median {'met' if med >= threshold else 'MISSED'}")
+    print("   every process's rounds pooled, each headline's wall ratio by the cores' state before the round:")
+    for pair in ("pcfg", "hmm", "hessian"):
+        if pooled := values(pair, lambda r: r["rounds"]):
+            ratios = [x for p in pooled for x in p["ratios"]]
+            ns = [x for p in pooled for x in p["cross_core_ns"]]
+            summary["by_state"][pair] = groups = by_state(ratios, ns)
+            print(f"   {pair}: {by_state_line(groups)}; {summary_line(ns)}")
     return {"processes": runs, "summary": summary}
 
 
@@ -332,6 +358,7 @@ def main(argv=None) -> int:
             print(f"  goals: >= 200 sent/s {'met' if sp['flatlm_big'] >= 200 else 'MISSED'}; >= 100x Torch-Struct, "
                   f"each at its best {'met' if r['speedup_best_wall'] >= 100 else 'MISSED'}; at equal batch "
                   f"B{r['batch']} {'met' if r['speedup_wall'][0] >= 100 else 'MISSED'}")
+            print(_state_line(r["rounds"]), flush=True)
     if "hmm" in which:
         res["hmm"] = r = hmm_pair(args.rounds, args.hmm_batch)
         if "skipped" in r:
@@ -342,6 +369,7 @@ def main(argv=None) -> int:
                   f"hmmlearn {sp['hmmlearn']:,.0f}: {_fmt(r['speedup_wall'])} wall, {_fmt(r['speedup_cpu'])} CPU-s; "
                   f"flatlm conditionals {sp['flatlm_conditionals']:,.0f} sent/s; max |diff| {r['max_abs_diff']:.1e}",
                   flush=True)
+            print(_state_line(r["rounds"]), flush=True)
     if "hessian" in which:
         res["hessian"] = r = hessian_pair(args.rounds, 128, 2, 32, 8)
         if "skipped" in r:
@@ -351,6 +379,7 @@ def main(argv=None) -> int:
                   f"{r['flatlm_probe_s'] * 1e3:.1f} ms ({_fmt(r['flatlm_probe_per_grad_cpu'])} its grad by CPU-s), "
                   f"PyHessian {r['pyhessian_probe_s'] * 1e3:.1f} ms ({_fmt(r['pyhessian_probe_per_grad_cpu'])} its "
                   f"grad); flatlm faster per probe {_fmt(r['probe_speedup_wall'])} wall", flush=True)
+            print(_state_line(r["rounds"]), flush=True)
     print(f"machine at the end: {load_line()}")
     if args.json:
         print(json.dumps(res))
