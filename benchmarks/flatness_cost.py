@@ -13,8 +13,9 @@ Memory: XLA's compiled temp + output buffers of one Hutchinson batch minus those
 at the benchmark batch and at batch 1 (where activations are negligible: the parameter-sized overhead alone).
 Timings: each case alternates with its own reference gradient (`_util.interleave`, samples of >= 0.2 s, --repeats
 rounds); a row is the median over rounds of its CPU-seconds over the gradient's in the same round, [min] and [max]
-beside it. (Single back-to-back calls swung 1.0-1.45 between two runs; one round-robin over all cases ran the
-gradient at 13 ms between the long Hutchinson cases and 20-23 ms elsewhere.)
+beside it, and [near] / [far] the median over the rounds that followed each cross-core state (`_cores.py`; nan:
+no such round, or not measured). (Single back-to-back calls swung 1.0-1.45 between two runs; one round-robin over
+all cases ran the gradient at 13 ms between the long Hutchinson cases and 20-23 ms elsewhere.)
 Usage: python benchmarks/flatness_cost.py [--json] [--d-models 128,256] [--layers 2] [--batch 32] [--repeats 9].
 """
 
@@ -29,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _cores import FAR_NS, by_state
 from _util import interleave, paired_ratio
 
 from flatlm.flatness import fisher as fi
@@ -99,16 +101,24 @@ def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
              cases.items()}
     for call in calls.values():
         call()
-    rows, grad_cpu_s = {}, []
+    rows, grad_cpu_s, ns_all = {}, [], []
     for name, (_, _, per) in cases.items():
         if name.startswith("gradient"):
             continue
         ref = "gradient, one masked position per row" if "per-sample" in name else "gradient"
-        samples = interleave({ref: calls[ref], name: calls[name]}, repeats)  # the case and its own reference
+        ns = []  # the cross-core state before each round (_cores.py)
+        samples = interleave({ref: calls[ref], name: calls[name]}, repeats, states=ns)  # the case and its reference
         med, lo, hi = paired_ratio(samples[name], samples[ref], 1)
         rows[name], rows[f"{name} [min]"], rows[f"{name} [max]"] = med / per, lo / per, hi / per
+        groups = by_state(samples[name][:, 1] / samples[ref][:, 1], ns)
+        for state in ("near", "far"):
+            rows[f"{name} [{state}]"] = groups[state]["median"] / per if state in groups else float("nan")
+        ns_all += ns
         grad_cpu_s.extend(samples["gradient"][:, 1] if ref == "gradient" else [])
-    rows = {"gradient (cpu s)": float(np.median(grad_cpu_s)), **rows}
+    measured = [x for x in ns_all if x is not None]
+    rows = {"gradient (cpu s)": float(np.median(grad_cpu_s)),
+            f"rounds after a far cross-core state (> {FAR_NS:.0f} ns), of {len(ns_all)}":
+                float(sum(x > FAR_NS for x in measured)) if measured else float("nan"), **rows}
     for b in (B, 1):
         small = {k: x[:b] for k, x in batch.items()}
         g = _memory(jax.grad(loss), params, small)
