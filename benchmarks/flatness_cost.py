@@ -116,8 +116,8 @@ def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
         ns_all += ns
         grad_cpu_s.extend(samples["gradient"][:, 1] if ref == "gradient" else [])
     measured = [x for x in ns_all if x is not None]
-    rows = {"gradient (cpu s)": float(np.median(grad_cpu_s)),
-            f"rounds after a far cross-core state (> {FAR_NS:.0f} ns), of {len(ns_all)}":
+    rows = {"gradient (cpu s)": float(np.median(grad_cpu_s)), "rounds": float(len(ns_all)),
+            f"rounds after a far cross-core state (> {FAR_NS:.0f} ns)":
                 float(sum(x > FAR_NS for x in measured)) if measured else float("nan"), **rows}
     for b in (B, 1):
         small = {k: x[:b] for k, x in batch.items()}
