@@ -27,9 +27,9 @@ process's lines, then every headline ratio and goal as the median over processes
 round the cross-core round trip is sampled (`_cores.py`) and each headline's ratio is printed by that state, per
 process and pooled over all rounds: on the project's 2-core VM that round trip is, for seconds to minutes at a
 time, ~4x longer (the vCPUs far apart on the host, by all appearances), and the dense PCFG chart at B4 then runs
-~35 % slower (11-17 ms a call; slow in 26 of 27 far
-windows, 6 of 244 near ones), so the equal-batch ratio depends on the state its rounds met (benchmarks/RESULTS.md,
-2026-11-28 fifth; the fourth session read the two speeds as per process, from 30-call samples).
+~35 % slower (11-17 ms a call; slow in 26 of 27 far windows, 6 of 244 near ones), so the equal-batch ratio
+depends on the state its rounds met (benchmarks/RESULTS.md, 2026-11-28 fifth; the fourth session read the two
+speeds as per process, from 30-call samples).
 """
 
 from __future__ import annotations
