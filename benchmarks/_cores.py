@@ -84,7 +84,7 @@ def summary(samples: list, what: str = "rounds") -> str:
     ns = np.asarray([s for s in samples if s is not None], float)
     if ns.size == 0:
         return f"cross-core round trip: not measured ({not_measured_why() or 'no samples'})"
-    far = int((ns > FAR_NS).sum())
+    far = sum(state(x) == "far" for x in ns)
     return (f"cross-core round trip {np.median(ns):.0f} ns [{ns.min():.0f}-{ns.max():.0f}]; "
             f"far (> {FAR_NS:.0f} ns) before {far} of {ns.size} {what}")
 
@@ -101,14 +101,14 @@ def by_state(values, samples: list) -> dict[str, dict]:
     return out
 
 
-def by_state_line(groups: dict[str, dict], unit: str = "x") -> str:
+def by_state_line(groups: dict[str, dict]) -> str:
     """e.g. 'near 125.3x [118.0-131.2] (4 rounds); far 96.1x (1 round)', or 'not measured'."""
     if not groups:
         return "not measured"
     parts = []
     for name, g in groups.items():
         rng = f" [{g['min']:.2f}-{g['max']:.2f}]" if g["rounds"] > 1 else ""
-        parts.append(f"{name} {g['median']:.2f}{unit}{rng} ({g['rounds']} round{'s' * (g['rounds'] > 1)})")
+        parts.append(f"{name} {g['median']:.2f}x{rng} ({g['rounds']} round{'s' * (g['rounds'] > 1)})")
     return "; ".join(parts)
 
 

@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _cores import FAR_NS, by_state
+from _cores import FAR_NS, by_state, state
 from _util import interleave, paired_ratio
 
 from flatlm.flatness import fisher as fi
@@ -111,14 +111,14 @@ def measure(d_model: int, layers: int, B: int, repeats: int) -> dict:
         med, lo, hi = paired_ratio(samples[name], samples[ref], 1)
         rows[name], rows[f"{name} [min]"], rows[f"{name} [max]"] = med / per, lo / per, hi / per
         groups = by_state(samples[name][:, 1] / samples[ref][:, 1], ns)
-        for state in ("near", "far"):
-            rows[f"{name} [{state}]"] = groups[state]["median"] / per if state in groups else float("nan")
+        for where in ("near", "far"):
+            rows[f"{name} [{where}]"] = groups[where]["median"] / per if where in groups else float("nan")
         ns_all += ns
         grad_cpu_s.extend(samples["gradient"][:, 1] if ref == "gradient" else [])
-    measured = [x for x in ns_all if x is not None]
+    states = [state(x) for x in ns_all]
     rows = {"gradient (cpu s)": float(np.median(grad_cpu_s)), "rounds": float(len(ns_all)),
             f"rounds after a far cross-core state (> {FAR_NS:.0f} ns)":
-                float(sum(x > FAR_NS for x in measured)) if measured else float("nan"), **rows}
+                float(states.count("far")) if any(states) else float("nan"), **rows}
     for b in (B, 1):
         small = {k: x[:b] for k, x in batch.items()}
         g = _memory(jax.grad(loss), params, small)
