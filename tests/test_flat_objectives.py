@@ -274,3 +274,65 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny, at_positions)
         if blocks == "encoder":  # the head's part is left out of the norm, and the head still gets a gradient
             assert float(value) < 0.9 * float(jax.jit(reference, static_argnums=1)(params, False))
             assert float(jnp.abs(ravel_pytree({k: grad[k] for k in HEAD_KEYS})[0]).max()) > 0
+
+
+def _dropout_bert():
+    """The tiny fixture's shapes with dropout 0.3 (so that a dropout key changes the forward pass)."""
+    cfg = BertConfig(num_words=V, max_len=T, d_model=8, num_layers=1, num_heads=1, d_ff=16, dropout=0.3,
+                     attention_dropout=0.3)
+    model = Bert(cfg)
+    return model.apply, nn.unbox(model.init(jax.random.key(3), jnp.zeros((B, T), jnp.int32))["params"])
+
+
+@pytest.mark.parametrize("case", ["dropout-head-everywhere", "no-dropout-head-at-positions"])
+def test_penalty_on_the_loss_forward_equals_autodiff_of_the_formula(tiny, case):
+    """The trace penalty's shared pass (`fisher_penalized_loss`: the loss's backward inside the first probe's
+    tangent pass) against jax.grad of L + gamma * mean_k ||grad signed_k||^2 / n written out with the same draws and
+    the same dropout mask (reverse-over-reverse), two probes (the shared one and one apart). With a dropout key and
+    score_forward="loss"; without one (no dropout) the default takes the shared pass too."""
+    apply_fn, params, batch = tiny
+    dropout_key, kw, w, blocks = None, {}, batch["weights"], "all"
+    if case.startswith("dropout"):
+        apply_fn, params = _dropout_bert()
+        dropout_key = jax.random.key(11)
+    else:
+        kw = {"positions_BP": jnp.asarray(np.argsort(~np.asarray(w > 0), axis=1, kind="stable")[:, :2], jnp.int32)}
+        batch = {**batch, "positions": kw["positions_BP"]}
+        w, blocks = jnp.take_along_axis(w, kw["positions_BP"], axis=1), "encoder"
+    gamma, probes = 0.7, 2
+    run = dict(deterministic=dropout_key is None, rngs={} if dropout_key is None else {"dropout": dropout_key}, **kw)
+
+    def reference(p):
+        k_y, k_eps = jax.random.split(batch["rng"])
+        out = []
+        for k in jax.random.split(k_eps, probes):
+            eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
+
+            def signed(q, eps=eps):
+                logp = jax.nn.log_softmax(apply_fn({"params": q}, batch["tokens"], **run), axis=-1)
+                y = sample_labels(k_y, jax.lax.stop_gradient(logp))
+                return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
+
+            g = jax.grad(signed)(p)
+            g = _without_head(g) if blocks == "encoder" else g
+            out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
+        return mlm_loss(p, batch, apply_fn, dropout_key) + gamma * jnp.mean(jnp.stack(out))
+
+    cfg = flat.FlatConfig(method="trace_penalty", gamma=gamma, probes=probes, blocks=blocks,
+                          score_forward="loss" if dropout_key is not None else "clean")
+    (value, aux), grad = _jit_vg(flat.make_objective(cfg))(params, batch, apply_fn, dropout_key)
+    want_value, want_grad = jax.jit(jax.value_and_grad(reference))(params)
+    assert float(value) == pytest.approx(float(want_value), rel=1e-5)
+    assert float(aux["train/mlm_loss"]) == pytest.approx(float(mlm_loss(params, batch, apply_fn, dropout_key)),
+                                                         rel=1e-6)
+    got, want = ravel_pytree(grad)[0], ravel_pytree(want_grad)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+    if dropout_key is not None:  # the clean score (the default) is another objective: the test can tell them apart
+        clean = flat.make_objective(flat.FlatConfig(method="trace_penalty", gamma=gamma, probes=probes))
+        other = ravel_pytree(_jit_vg(clean)(params, batch, apply_fn, dropout_key)[1])[0]
+        assert float(jnp.abs(other - want).max()) > 100 * 1e-5 * float(jnp.abs(want).max())
+
+
+def test_score_forward_is_checked(tiny):
+    with pytest.raises(UserError, match="train.flat.score_forward"):
+        flat.validate(flat.FlatConfig(method="trace_penalty", score_forward="dropout"), batch_size=64)

@@ -50,13 +50,22 @@ def mlm_loss(params, batch, apply_fn: ApplyFn, dropout_key=None):
     With `batch["positions"]` (int32[B, P], every weighted position of a row among its P; `mask_batch` adds it)
     the MLM head runs at those P positions only, the original BERT's `masked_lm_positions`: the same loss and
     gradient for ~P / T of the head's work (5 of 32 positions at the `bert` masking's default)."""
+    return mlm_loss_of_logits(mlm_logits(params, batch, apply_fn, dropout_key), batch)
+
+
+def mlm_logits(params, batch, apply_fn: ApplyFn, dropout_key=None):
+    """The logits `mlm_loss` scores: [B, T, V], or [B, P, V] at `batch["positions"]`; dropout on iff a key."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     positions = batch.get("positions")
     kw = {} if positions is None else {"positions_BP": positions}
-    logits = apply_fn({"params": params}, batch["tokens"], deterministic=dropout_key is None, rngs=rngs, **kw)
+    return apply_fn({"params": params}, batch["tokens"], deterministic=dropout_key is None, rngs=rngs, **kw)
+
+
+def mlm_loss_of_logits(logits, batch):
+    """`mlm_loss` from `mlm_logits`' output (objectives that need the logits for more than the loss share them)."""
     targets, weights = batch["targets"], batch["weights"]
-    if positions is not None:
-        targets, weights = jnp.take_along_axis(targets, positions, axis=1), predicted_weights(batch)
+    if batch.get("positions") is not None:
+        targets, weights = jnp.take_along_axis(targets, batch["positions"], axis=1), predicted_weights(batch)
     total, count = masked_cross_entropy(logits, targets, weights)
     return total / jnp.maximum(count, 1.0)
 

@@ -39,17 +39,19 @@ import jax.numpy as jnp
 from flatlm.config import check_choice
 from flatlm.errors import UserError
 from flatlm.models.blocks import ALL, block_mask, parse_blocks
-from flatlm.models.losses import mlm_loss, predicted_weights, sample_labels
+from flatlm.models.losses import mlm_logits, mlm_loss, mlm_loss_of_logits, predicted_weights, sample_labels
 
 METHODS = ("none", "sam", "label_noise", "trace_penalty")
 NOISE_SOURCES = ("model", "uniform")
 PENALTIES = ("fisher", "hutchinson")
+SCORE_FORWARDS = ("clean", "loss")
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatConfig:
     """`train.flat`: method (METHODS), SAM's rho and ascent_groups, label noise's noise_p and noise_source, the
-    penalty's gamma and probes; blocks (SAM and the penalties): the blocks the method acts on."""
+    penalty's gamma, probes and (Fisher) score_forward (SCORE_FORWARDS, see `fisher_penalized_loss`); blocks (SAM
+    and the penalties): the blocks the method acts on."""
 
     method: str = "none"
     rho: float = 0.05
@@ -59,6 +61,7 @@ class FlatConfig:
     gamma: float = 0.01
     probes: int = 1
     penalty: str = "fisher"
+    score_forward: str = "clean"
     blocks: str = ALL
 
 
@@ -67,6 +70,7 @@ def validate(cfg: FlatConfig, batch_size: int) -> None:
     check_choice(cfg.method, METHODS, "train.flat.method")
     check_choice(cfg.noise_source, NOISE_SOURCES, "train.flat.noise_source")
     check_choice(cfg.penalty, PENALTIES, "train.flat.penalty")
+    check_choice(cfg.score_forward, SCORE_FORWARDS, "train.flat.score_forward")
     if cfg.rho <= 0 or cfg.gamma < 0 or cfg.probes < 1:
         raise UserError("config.train.flat needs rho > 0, gamma >= 0 and probes >= 1")
     if not 0 <= cfg.noise_p <= 1:
@@ -145,14 +149,13 @@ def label_noise_objective(cfg: FlatConfig):
     return objective
 
 
-def _probe_mean(one, key: jax.Array, probes: int) -> jax.Array:
-    """Mean of one(k) over `probes` keys split from `key`: unrolled up to 4 probes, else mapped one at a time
-    (lax.map, compiled once). Not vmap: it batches the parameter-shaped probes and tangents into batched matmuls,
-    which XLA:CPU ran 1.8x (one probe) to 2.6x (two) slower for the Hutchinson penalty's gradient (d128, B64)."""
-    keys = jax.random.split(key, probes)
-    if probes > 4:
-        return jnp.mean(jax.lax.map(one, keys))
-    return sum(one(keys[i]) for i in range(probes)) / probes
+def _probe_sum(one, keys: jax.Array) -> jax.Array:
+    """Sum of one(k) over `keys`: unrolled up to 4 keys, else mapped one at a time (lax.map, compiled once). Not
+    vmap: it batches the parameter-shaped probes and tangents into batched matmuls, which XLA:CPU ran 1.8x (one
+    probe) to 2.6x (two) slower for the Hutchinson penalty's gradient (d128, B64)."""
+    if len(keys) > 4:
+        return jnp.sum(jax.lax.map(one, keys))
+    return sum((one(keys[i]) for i in range(len(keys))), jnp.zeros((), jnp.float32))
 
 
 def hutchinson_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL) -> jax.Array:
@@ -169,53 +172,66 @@ def hutchinson_penalty(params, batch, apply_fn, key, probes: int, blocks: str = 
         hv = jax.jvp(jax.grad(loss), (params,), (v,))[1]
         return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(hv), strict=True))
 
-    return _probe_mean(one, key, probes)
+    return _probe_sum(one, jax.random.split(key, probes)) / probes
 
 
-def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL) -> jax.Array:
+def _data(batch) -> dict:
+    """The arrays of `batch` the losses read (not its rng): the custom VJPs below take them as one argument."""
+    return {k: batch[k] for k in ("tokens", "targets", "weights", "positions") if k in batch}
+
+
+def _score_setup(batch, key):
+    """(the weights [B, T] or [B, P] the scores sum over, n = their count, the label key, the probes' key)."""
+    weights = batch["weights"] if batch.get("positions") is None else predicted_weights(batch)
+    k_y, k_eps = jax.random.split(key)  # the head runs at the predicted positions only (`losses.mlm_loss`)
+    return weights, jnp.maximum(weights.sum(), 1.0), k_y, k_eps
+
+
+def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL, dropout_key=None) -> jax.Array:
     """Unbiased estimate of the model Fisher trace of the batch's mean MLM loss, (1/n) sum_i E_y ||g_i(y)||^2 with
     g_i(y) = grad log p(y | x_i) over the n weighted positions: y drawn from the model (stop-gradient), then the mean
     over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish).
     Its gradient is 2 H_s g / n (H_s the Hessian of the signed score, g its gradient), formed forward-over-reverse
     (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (d128 x 2L, batch 64, CPU). With `blocks`
-    the norms are over those blocks' parameters only: the Fisher trace of their diagonal block."""
+    the norms are over those blocks' parameters only: the Fisher trace of their diagonal block. `dropout_key`: the
+    model scored with that dropout mask (default: without dropout)."""
     mask = tuple(block_mask(params, blocks))
-    tokens, weights, positions = batch["tokens"], batch["weights"], batch.get("positions")
-    if positions is not None:  # the head runs at the predicted positions only (`losses.mlm_loss`)
-        weights = predicted_weights(batch)
-    k_y, k_eps = jax.random.split(key)
-    n = jnp.maximum(weights.sum(), 1.0)
+    weights, n, k_y, k_eps = _score_setup(batch, key)
 
     def one(k):
         eps = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
-        return _score_norm(apply_fn, mask, params, eps, k_y, tokens, positions) / n
+        return _score_norm(apply_fn, mask, params, eps, k_y, _data(batch), dropout_key)
 
-    return _probe_mean(one, k_eps, probes)
+    return _probe_sum(one, jax.random.split(k_eps, probes)) / (n * probes)
 
 
-def _signed_score(params, apply_fn, eps, key_y, tokens_BT, positions_BP) -> jax.Array:
-    """sum_i eps_i log p(y_i | x_i), y drawn from this forward pass's own (stop-gradient) logits: no second forward;
-    the key is shared by the probes, so every probe scores the same draw. eps is [B, T], or [B, P] at the
-    positions (then the head runs there only)."""
-    kw = {} if positions_BP is None else {"positions_BP": positions_BP}
-    logp = jax.nn.log_softmax(apply_fn({"params": params}, tokens_BT, **kw).astype(jnp.float32), axis=-1)
+def _score_and_loss(params, t, apply_fn, eps, key_y, data, dropout_key):
+    """(sum_i eps_i log p(y_i | x_i) + t * the MLM loss, the MLM loss), both from one forward pass (`mlm_logits`),
+    y drawn from its own (stop-gradient) logits: the key is shared by the probes, so every probe scores the same
+    draw. eps is [B, T], or [B, P] at the positions (then the head runs there only). t = 0 for the score alone."""
+    logits = mlm_logits(params, data, apply_fn, dropout_key)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     y = sample_labels(key_y, jax.lax.stop_gradient(logp))
-    return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
+    loss = mlm_loss_of_logits(logits, data)
+    return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]) + t * loss, loss
+
+
+def _score_grad(params, t, apply_fn, eps, key_y, data, dropout_key):
+    """(grad_params of `_score_and_loss`, the MLM loss)."""
+    return jax.grad(_score_and_loss, has_aux=True)(params, t, apply_fn, eps, key_y, data, dropout_key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _score_norm(apply_fn, mask, params, eps, key_y, tokens_BT, positions_BP) -> jax.Array:
-    """||P grad _signed_score||^2, P zeroing the leaves outside `mask`; differentiable in params only (eps, labels,
-    tokens and positions are data)."""
-    grad = jax.grad(_signed_score)(params, apply_fn, eps, key_y, tokens_BT, positions_BP)
-    return _squared_norm(_restrict(grad, mask))
+def _score_norm(apply_fn, mask, params, eps, key_y, data, dropout_key) -> jax.Array:
+    """||P g||^2, g the signed score's gradient, P zeroing the leaves outside `mask`; differentiable in params only
+    (eps, labels, data and the dropout mask are data)."""
+    return _squared_norm(_restrict(_score_grad(params, 0.0, apply_fn, eps, key_y, data, dropout_key)[0], mask))
 
 
-def _score_norm_fwd(apply_fn, mask, params, eps, key_y, tokens_BT, positions_BP):
+def _score_norm_fwd(apply_fn, mask, params, eps, key_y, data, dropout_key):
     """The value and H_s P g in one linearisation (the gradient of ||P g||^2 is 2 H_s P g, P a projection): the
     gradient's primal pass once, then one tangent pass at P g."""
-    g, tangent = jax.linearize(
-        lambda p: jax.grad(_signed_score)(p, apply_fn, eps, key_y, tokens_BT, positions_BP), params)
+    g, tangent = jax.linearize(lambda p: _score_grad(p, 0.0, apply_fn, eps, key_y, data, dropout_key)[0], params)
     pg = _restrict(g, mask)
     return _squared_norm(pg), tangent(pg)
 
@@ -227,15 +243,67 @@ def _score_norm_bwd(apply_fn, mask, hg, ct):
 _score_norm.defvjp(_score_norm_fwd, _score_norm_bwd)
 
 
+def fisher_penalized_loss(params, batch, apply_fn, dropout_key, gamma: float, probes: int, blocks: str = ALL):
+    """(L + gamma * F, L, F): the MLM loss L and the Fisher penalty F (`fisher_penalty`, the same draws from
+    `batch["rng"]`) with the score pass on the loss's own forward pass, dropout mask included. The first probe
+    shares that pass with the loss: its gradient grad L + (2 gamma / (n probes)) H_s P g comes out of one tangent
+    pass, the tangent at (P g, t = 1) of grad_params [score + t L] at t = 0, whose backward carries both
+    cotangents; 3 plain steps of FLOPs instead of 4 for L and F apart. Differentiable in params, through the
+    first output only (the caller stops the others)."""
+    mask = tuple(block_mask(params, blocks))
+    weights, n, k_y, k_eps = _score_setup(batch, batch["rng"])
+    eps_PB = [jax.random.rademacher(k, weights.shape, jnp.float32) * weights for k in jax.random.split(k_eps, probes)]
+    data = _data(batch)
+    total, loss, first = _loss_plus_score_norm(apply_fn, mask, params, gamma / (n * probes), eps_PB[0], k_y, data,
+                                               dropout_key)
+    rest = _probe_sum(lambda eps: _score_norm(apply_fn, mask, params, eps, k_y, data, dropout_key),
+                      jnp.stack(eps_PB[1:])) if probes > 1 else jnp.zeros((), jnp.float32)
+    trace = (jax.lax.stop_gradient(first) + rest) / (n * probes)
+    return total + gamma * rest / (n * probes), loss, trace
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _loss_plus_score_norm(apply_fn, mask, params, coef, eps, key_y, data, dropout_key):
+    """(L + coef ||P g||^2, L, ||P g||^2) on one forward pass; its VJP is the first output's (see
+    `fisher_penalized_loss`)."""
+    g, loss = _score_grad(params, 0.0, apply_fn, eps, key_y, data, dropout_key)
+    sq = _squared_norm(_restrict(g, mask))
+    return loss + coef * sq, loss, sq
+
+
+def _loss_plus_score_norm_fwd(apply_fn, mask, params, coef, eps, key_y, data, dropout_key):
+    g, tangent, loss = jax.linearize(lambda p, t: _score_grad(p, t, apply_fn, eps, key_y, data, dropout_key),
+                                     params, jnp.zeros((), jnp.float32), has_aux=True)
+    pg = _restrict(g, mask)
+    sq = _squared_norm(pg)
+    both = tangent(jax.tree.map(lambda x: (2 * coef * x).astype(x.dtype), pg), jnp.ones((), jnp.float32))
+    return (loss + coef * sq, loss, sq), both
+
+
+def _loss_plus_score_norm_bwd(apply_fn, mask, both, ct):
+    return jax.tree.map(lambda x: (ct[0] * x).astype(x.dtype), both), None, None, None, None, None
+
+
+_loss_plus_score_norm.defvjp(_loss_plus_score_norm_fwd, _loss_plus_score_norm_bwd)
+
+
 def trace_penalty_objective(cfg: FlatConfig):
-    """L + gamma * (the Fisher or Hutchinson estimate of the batch's curvature trace)."""
+    """L + gamma * (the Fisher or Hutchinson estimate of the batch's curvature trace). The Fisher penalty scores
+    the model without dropout (score_forward "clean": the Tr(F) the evaluator measures) or on the loss's own
+    forward pass with its dropout mask ("loss"); either way it shares the loss's pass (`fisher_penalized_loss`)
+    when the two are the same pass, i.e. when the run has no dropout (dropout_key None)."""
     estimate = fisher_penalty if cfg.penalty == "fisher" else hutchinson_penalty
 
     def objective(params, batch, apply_fn, dropout_key):
-        loss = mlm_loss(params, batch, apply_fn, dropout_key)
-        trace = estimate(params, batch, apply_fn, batch["rng"], cfg.probes, cfg.blocks)
-        return loss + cfg.gamma * trace, {"train/mlm_loss": jax.lax.stop_gradient(loss),
-                                          "train/trace_estimate": jax.lax.stop_gradient(trace)}
+        if cfg.penalty == "fisher" and (cfg.score_forward == "loss" or dropout_key is None):
+            total, loss, trace = fisher_penalized_loss(params, batch, apply_fn, dropout_key, cfg.gamma, cfg.probes,
+                                                       cfg.blocks)
+        else:
+            loss = mlm_loss(params, batch, apply_fn, dropout_key)
+            trace = estimate(params, batch, apply_fn, batch["rng"], cfg.probes, cfg.blocks)
+            total = loss + cfg.gamma * trace
+        return total, {"train/mlm_loss": jax.lax.stop_gradient(loss),
+                       "train/trace_estimate": jax.lax.stop_gradient(trace)}
 
     return objective
 
