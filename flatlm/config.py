@@ -94,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
             # comma-separated block names (flatlm.models.blocks) for sam and trace_penalty.
             flat=ml_collections.ConfigDict(dict(method="none", rho=0.05, ascent_groups=1, noise_p=0.1,
                                                 noise_source="model", gamma=0.01, probes=1, penalty="fisher",
-                                                blocks="all")),
+                                                score_forward="clean", blocks="all")),
             # Gradual stacking (flatlm.train.stacking documents every field): stages ((num_layers, steps), ...)
             # summing to train.steps, the last at model.num_layers; () -> off. rule "midas" | "top" |
             # "function_preserving"; opt_state "carry" (moments grown by the same rule) | "reset".
@@ -296,9 +296,8 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         # a field the stored config lacks (written by a flatlm before the field existed) at the value such a run
         # used (`_legacy`, else today's default) is no change
         flat_old = {**_legacy(flat_old), **flat_old}
-        defaults = _flat(json.loads(base_config().to_json_best_effort()))
-        diff = [k for k in changed_fields(flat_old, flat_new)
-                if not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+        defaults = flat_defaults()
+        diff = changed_fields(flat_old, flat_new, defaults)
         if not diff:
             return
         extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
@@ -332,6 +331,11 @@ def without_launch_fields(config: ml_collections.ConfigDict) -> ml_collections.C
     return config
 
 
+def flat_defaults() -> dict:
+    """`base_config()` as {dotted name: JSON value}."""
+    return _flat(json.loads(base_config().to_json_best_effort()))
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -339,11 +343,13 @@ def _flat(d, prefix=""):
     return out
 
 
-def changed_fields(old: dict, new: dict) -> list[str]:
+def changed_fields(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """Dotted names of the fields whose values differ between two nested dicts (e.g. stored and new JSON); a field
-    one of them lacks counts as None."""
-    a, b = _flat(old), _flat(new)
-    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    one of them lacks counts as None, except a field only `new` has at its value in `defaults` (flat, dotted
+    names): one added to flatlm since `old` was written, at the value runs without it used."""
+    a, b, defaults = _flat(old), _flat(new), defaults or {}
+    return [k for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not (k not in a and k in defaults and b[k] == defaults[k])]
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

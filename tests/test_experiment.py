@@ -157,6 +157,25 @@ def test_a_workdir_of_another_experiment_is_refused_naming_the_fields(tmp_path):
     assert (tmp_path / "experiment.json").read_text() == stored
 
 
+
+def test_a_workdir_written_before_a_field_existed_is_the_same_experiment(tmp_path):
+    """A stored spec lacking a config field flatlm added since (here train.flat.score_forward) is the same
+    experiment when the field is at its default, and another one when the field is set otherwise."""
+    from flatlm.config import base_config
+    from flatlm.errors import UserError
+    from flatlm.experiment import _write_spec, experiment_config
+
+    exp = experiment_config("t", base_config(), [("adamw", [])])
+    _write_spec(exp, tmp_path, str(tmp_path))
+    spec = json.loads((tmp_path / "experiment.json").read_text())
+    del spec["base"]["train"]["flat"]["score_forward"]
+    (tmp_path / "experiment.json").write_text(json.dumps(spec))
+    _write_spec(exp, tmp_path, str(tmp_path))
+    exp.base.train.flat.score_forward = "loss"
+    with pytest.raises(UserError, match=r"fields base\.train\.flat\.score_forward\)"):
+        _write_spec(exp, tmp_path, str(tmp_path))
+
+
 def _mappings() -> int:
     with open("/proc/self/maps") as f:
         return sum(1 for _ in f)

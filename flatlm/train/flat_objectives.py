@@ -18,6 +18,10 @@ step, its shardings, checkpoints and resumption are the plain ones; config `trai
   score gradients; `penalty="hutchinson"` v^T H v of the Hessian itself (forward-over-reverse HVP). The Hessian is
   indefinite away from the optimum, so its penalty is unbounded below: on `flatness_seeking.py:tiny` (40 steps,
   gamma 0.01) it drove the Fisher trace from 78 to 1.0e4 and the exact loss up by 0.67 nats; hence the default.
+  The Fisher score runs without dropout (`score_forward="clean"`: the Tr(F) that `flatlm.flatness` measures), a
+  pass of its own beside the loss's; `score_forward="loss"` scores the loss's own pass, dropout mask included (the
+  Fisher trace of the network the step trains, as SAM's ascent uses the loss's pass) and shares it: ~3 plain steps
+  of FLOPs instead of ~4 (`fisher_penalized_loss`). A run without dropout shares it either way (the same pass).
 `blocks` (SAM and the penalties) restricts the method to some of the model's blocks (flatlm.models.blocks: "all",
 "encoder" = every block but the head, or names such as "embed,layer_0/attn"): SAM perturbs only their parameters
 (the ascent direction is the batch gradient's part in them), the Fisher penalty is the Fisher trace of their diagonal
