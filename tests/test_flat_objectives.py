@@ -234,6 +234,26 @@ def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_position
     assert samples.min() >= 0  # a sum of squares: the penalty cannot reward curvature of either sign
 
 
+def _fisher_reference(params, apply_fn, tokens, key, w, probes, encoder_only, **run):
+    """The Fisher penalty written out: mean over probes of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n with the
+    library's draws (labels from the forward's own logits with the first half of `key`, one sign vector per probe
+    from the second); `run`: the apply function's keywords (positions, dropout)."""
+    k_y, k_eps = jax.random.split(key)
+    out = []
+    for k in jax.random.split(k_eps, probes):
+        eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
+
+        def signed(q, eps=eps):
+            logp = jax.nn.log_softmax(apply_fn({"params": q}, tokens, **run), axis=-1)
+            y = sample_labels(k_y, jax.lax.stop_gradient(logp))
+            return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
+
+        g = jax.grad(signed)(params)
+        g = _without_head(g) if encoder_only else g
+        out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
+    return jnp.mean(jnp.stack(out))
+
+
 @pytest.mark.parametrize("at_positions", [False, True], ids=["head-everywhere", "head-at-positions"])
 def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny, at_positions):
     """The penalty's custom VJP (2 H_s g / n by one linearisation) against jax.grad of the plain formula, written
@@ -247,20 +267,7 @@ def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny, at_positions)
         w = jnp.take_along_axis(w, kw["positions_BP"], axis=1)
 
     def reference(p, encoder_only):
-        k_y, k_eps = jax.random.split(key)
-        out = []
-        for k in jax.random.split(k_eps, probes):
-            eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
-
-            def signed(q, eps=eps):
-                logp = jax.nn.log_softmax(apply_fn({"params": q}, batch["tokens"], **kw), axis=-1)
-                y = sample_labels(k_y, jax.lax.stop_gradient(logp))
-                return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
-
-            g = jax.grad(signed)(p)
-            g = _without_head(g) if encoder_only else g
-            out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
-        return jnp.mean(jnp.stack(out))
+        return _fisher_reference(p, apply_fn, batch["tokens"], key, w, probes, encoder_only, **kw)
 
     for blocks in ("encoder",) if at_positions else ("all",):  # each of positions and the mask once: 2 compiles
         penalty = functools.partial(flat.fisher_penalty, batch=batch, apply_fn=apply_fn, key=key, probes=probes,
@@ -303,20 +310,8 @@ def test_penalty_on_the_loss_forward_equals_autodiff_of_the_formula(tiny, case):
     run = dict(deterministic=dropout_key is None, rngs={} if dropout_key is None else {"dropout": dropout_key}, **kw)
 
     def reference(p):
-        k_y, k_eps = jax.random.split(batch["rng"])
-        out = []
-        for k in jax.random.split(k_eps, probes):
-            eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
-
-            def signed(q, eps=eps):
-                logp = jax.nn.log_softmax(apply_fn({"params": q}, batch["tokens"], **run), axis=-1)
-                y = sample_labels(k_y, jax.lax.stop_gradient(logp))
-                return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
-
-            g = jax.grad(signed)(p)
-            g = _without_head(g) if blocks == "encoder" else g
-            out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
-        return mlm_loss(p, batch, apply_fn, dropout_key) + gamma * jnp.mean(jnp.stack(out))
+        penalty = _fisher_reference(p, apply_fn, batch["tokens"], batch["rng"], w, probes, blocks == "encoder", **run)
+        return mlm_loss(p, batch, apply_fn, dropout_key) + gamma * penalty
 
     cfg = flat.FlatConfig(method="trace_penalty", gamma=gamma, probes=probes, blocks=blocks,
                           score_forward="loss" if dropout_key is not None else "clean")
