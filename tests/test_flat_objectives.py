@@ -295,8 +295,8 @@ def _dropout_bert():
 def test_penalty_on_the_loss_forward_equals_autodiff_of_the_formula(tiny, case):
     """The trace penalty's shared pass (`fisher_penalized_loss`: the loss's backward inside the first probe's
     tangent pass) against jax.grad of L + gamma * mean_k ||grad signed_k||^2 / n written out with the same draws and
-    the same dropout mask (reverse-over-reverse), two probes (the shared one and one apart). With a dropout key and
-    score_forward="loss"; without one (no dropout) the default takes the shared pass too."""
+    the same dropout mask (reverse-over-reverse), 2 and 6 probes (the shared one and the others apart). With a
+    dropout key and score_forward="loss"; without one (no dropout) the default takes the shared pass too."""
     apply_fn, params, batch = tiny
     dropout_key, kw, w, blocks = None, {}, batch["weights"], "all"
     if case.startswith("dropout"):
@@ -306,7 +306,7 @@ def test_penalty_on_the_loss_forward_equals_autodiff_of_the_formula(tiny, case):
         kw = {"positions_BP": jnp.asarray(np.argsort(~np.asarray(w > 0), axis=1, kind="stable")[:, :2], jnp.int32)}
         batch = {**batch, "positions": kw["positions_BP"]}
         w, blocks = jnp.take_along_axis(w, kw["positions_BP"], axis=1), "encoder"
-    gamma, probes = 0.7, 2
+    gamma, probes = 0.7, 2 if dropout_key is not None else 6  # 6: the probes after the shared one mapped (lax.map)
     run = dict(deterministic=dropout_key is None, rngs={} if dropout_key is None else {"dropout": dropout_key}, **kw)
 
     def reference(p):

@@ -186,25 +186,25 @@ def _data(batch) -> dict:
 
 def _score_setup(batch, key):
     """(the weights [B, T] or [B, P] the scores sum over, n = their count, the label key, the probes' key)."""
+    # with positions the head runs at the predicted positions only (`losses.mlm_loss`)
     weights = batch["weights"] if batch.get("positions") is None else predicted_weights(batch)
-    k_y, k_eps = jax.random.split(key)  # the head runs at the predicted positions only (`losses.mlm_loss`)
+    k_y, k_eps = jax.random.split(key)
     return weights, jnp.maximum(weights.sum(), 1.0), k_y, k_eps
 
 
-def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL, dropout_key=None) -> jax.Array:
+def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL) -> jax.Array:
     """Unbiased estimate of the model Fisher trace of the batch's mean MLM loss, (1/n) sum_i E_y ||g_i(y)||^2 with
     g_i(y) = grad log p(y | x_i) over the n weighted positions: y drawn from the model (stop-gradient), then the mean
     over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish).
     Its gradient is 2 H_s g / n (H_s the Hessian of the signed score, g its gradient), formed forward-over-reverse
     (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (d128 x 2L, batch 64, CPU). With `blocks`
-    the norms are over those blocks' parameters only: the Fisher trace of their diagonal block. `dropout_key`: the
-    model scored with that dropout mask (default: without dropout)."""
+    the norms are over those blocks' parameters only: the Fisher trace of their diagonal block. Dropout off."""
     mask = tuple(block_mask(params, blocks))
     weights, n, k_y, k_eps = _score_setup(batch, key)
 
     def one(k):
         eps = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
-        return _score_norm(apply_fn, mask, params, eps, k_y, _data(batch), dropout_key)
+        return _score_norm(apply_fn, mask, params, eps, k_y, _data(batch), None)
 
     return _probe_sum(one, jax.random.split(k_eps, probes)) / (n * probes)
 
@@ -256,12 +256,12 @@ def fisher_penalized_loss(params, batch, apply_fn, dropout_key, gamma: float, pr
     first output only (the caller stops the others)."""
     mask = tuple(block_mask(params, blocks))
     weights, n, k_y, k_eps = _score_setup(batch, batch["rng"])
-    eps_PB = [jax.random.rademacher(k, weights.shape, jnp.float32) * weights for k in jax.random.split(k_eps, probes)]
+    signs = [jax.random.rademacher(k, weights.shape, jnp.float32) * weights for k in jax.random.split(k_eps, probes)]
     data = _data(batch)
-    total, loss, first = _loss_plus_score_norm(apply_fn, mask, params, gamma / (n * probes), eps_PB[0], k_y, data,
+    total, loss, first = _loss_plus_score_norm(apply_fn, mask, params, gamma / (n * probes), signs[0], k_y, data,
                                                dropout_key)
     rest = _probe_sum(lambda eps: _score_norm(apply_fn, mask, params, eps, k_y, data, dropout_key),
-                      jnp.stack(eps_PB[1:])) if probes > 1 else jnp.zeros((), jnp.float32)
+                      jnp.stack(signs[1:])) if probes > 1 else jnp.zeros((), jnp.float32)
     trace = (jax.lax.stop_gradient(first) + rest) / (n * probes)
     return total + gamma * rest / (n * probes), loss, trace
 
