@@ -296,8 +296,7 @@ def save_workdir_config(config: ml_collections.ConfigDict, workdir: str, write: 
         # a field the stored config lacks (written by a flatlm before the field existed) at the value such a run
         # used (`_legacy`, else today's default) is no change
         flat_old = {**_legacy(flat_old), **flat_old}
-        defaults = flat_defaults()
-        diff = changed_fields(flat_old, flat_new, defaults)
+        diff = changed_fields(flat_old, flat_new, json.loads(base_config().to_json_best_effort()))
         if not diff:
             return
         extending = set(diff) <= set(EXTENDABLE) and flat_new["train.steps"] > flat_old["train.steps"]
@@ -331,11 +330,6 @@ def without_launch_fields(config: ml_collections.ConfigDict) -> ml_collections.C
     return config
 
 
-def flat_defaults() -> dict:
-    """`base_config()` as {dotted name: JSON value}."""
-    return _flat(json.loads(base_config().to_json_best_effort()))
-
-
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -345,9 +339,9 @@ def _flat(d, prefix=""):
 
 def changed_fields(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
     """Dotted names of the fields whose values differ between two nested dicts (e.g. stored and new JSON); a field
-    one of them lacks counts as None, except a field only `new` has at its value in `defaults` (flat, dotted
-    names): one added to flatlm since `old` was written, at the value runs without it used."""
-    a, b, defaults = _flat(old), _flat(new), defaults or {}
+    one of them lacks counts as None, except a field only `new` has at its value in `defaults` (nested like them):
+    one added to flatlm since `old` was written, at the value runs without it used."""
+    a, b, defaults = _flat(old), _flat(new), _flat(defaults or {})
     return [k for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and not (k not in a and k in defaults and b[k] == defaults[k])]
 

@@ -236,7 +236,7 @@ def pending_children(exp, root, selected: list[dict], child_args, prefix: str = 
 def _write_spec(exp, root, workdir: str) -> None:
     spec = root / "experiment.json"
     text = exp.to_json_best_effort(indent=1, sort_keys=True)
-    defaults = {f"base.{k}": v for k, v in config_lib.flat_defaults().items()}  # fields added since: no change
+    defaults = {"base": json.loads(config_lib.base_config().to_json_best_effort())}  # fields added since: no change
     diff = config_lib.changed_fields(json.loads(spec.read_text()), json.loads(text), defaults) if spec.exists() else []
     if diff:  # e.g. a preset changed since that workdir was made
         raise UserError(f"{workdir} holds a different experiment (fields {', '.join(diff[:5])}"
