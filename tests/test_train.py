@@ -69,7 +69,7 @@ STEP_SCRIPT = r"""
 import json, re, sys
 import jax, numpy as np
 from flatlm.config import load_config, apply_overrides
-from flatlm.train import loop
+from flatlm.train import flat_objectives, loop
 from flatlm import sharding
 from flatlm.data import pipeline
 from flatlm.run import build_run
@@ -79,11 +79,12 @@ for data, model, par, *k in %s:
     c = apply_overrides(load_config(%r), ["--config.mesh.data=%%d" %% data, "--config.mesh.model=%%d" %% model,
         "--config.mesh.parallelism=" + par, "--config.train.microbatches=%%d" %% (k or [1])[0],
         "--config.model.d_model=128", "--config.data.batch_size=32",
-        "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0"])
+        "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0", *%r])
     run = build_run(c, %r)
     setup = loop.train_setup(run)
     state = loop.init_state(run, setup)
-    step = loop.jit_train_step(run, setup)
+    objective = flat_objectives.make_objective(flat_objectives.FlatConfig(**c.train.flat))  # None: plain MLM
+    step = loop.jit_train_step(run, setup, *([objective] if objective else []))
     it = pipeline.train_iterator(c.data, run.num_words, c.seed, source=run.sources["train"])
     with sharding.activated(run.mesh, run.rules):  # as the train loop runs it
         batch = sharding.global_batch(next(it), run.mesh)
@@ -101,8 +102,8 @@ print("RESULT" + json.dumps(results))
 """
 
 
-def _step_results(meshes, devices, workdir):
-    proc = run_python(STEP_SCRIPT % (meshes, TINY, workdir), devices=devices)
+def _step_results(meshes, devices, workdir, overrides=()):
+    proc = run_python(STEP_SCRIPT % (meshes, TINY, list(overrides), workdir), devices=devices)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
 
@@ -126,6 +127,21 @@ def test_train_step_is_the_same_on_1_and_8_devices(tmp_path):
     tp_hidden = [c for c in multi["4x2-tp"]["constraints"] if c[1].endswith("x512xf32")]
     assert tp_hidden == [['[{"data"}, {}, {"model"}]', "32x8x512xf32"]], multi["4x2-tp"]["constraints"]
     assert ['[{"data"}, {}, {}]', "32x8x128xf32"] in multi["8x1-dp"]["constraints"]
+
+
+def test_trace_penalty_step_is_the_same_on_1_and_8_devices(tmp_path):
+    """The Fisher trace penalty's custom VJPs (the pass shared with the loss, and a second probe apart) under a
+    data x model mesh: the same loss, gradient norm and parameters as on one device, and not the plain step's."""
+    penalty = ["--config.train.flat.method=trace_penalty", "--config.train.flat.probes=2",
+               "--config.train.flat.gamma=0.5"]
+    single = _step_results([(1, 1, "dp")], 1, str(tmp_path), penalty)["1x1-dp"]
+    multi = _step_results([(4, 2, "tp")], 8, str(tmp_path), penalty)["4x2-tp"]
+    plain = _step_results([(1, 1, "dp")], 1, str(tmp_path))["1x1-dp"]
+    assert abs(single["loss"] - plain["loss"]) > 1e-3 * plain["loss"]  # the penalty is in the objective
+    assert multi["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert multi["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+    for a, b in zip(multi["params"], single["params"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
 
 
 RESUME = ["--config.train.steps=20", "--config.checkpoint.every=10", "--config.train.eval_every=20",
