@@ -29,8 +29,8 @@ Sections 1 and 4 sample the cross-core round trip before every round (`_cores.py
 that state too: on the project's 2-core VM a far state (a round trip of ~400 instead of ~100 ns) slows the
 gradient more than its HVP (RESULTS.md, 2026-11-28 fifth).
 Goals (issue 18): SAM step <= 2.1x plain; trace-penalty step (1 probe) <= 3.5x (printed for the default and
-for the shared pass); Lanczos k=20 in <= 25 HVP
-equivalents; rank logging < 5 % of a run. Each is printed as met or missed. Timings on a loaded machine are noise.
+for the shared pass); Lanczos k=20 in <= 25 HVP equivalents; rank logging < 5 % of a run. Each is printed as
+met or missed. Timings on a loaded machine are noise.
 """
 
 from __future__ import annotations

@@ -157,7 +157,6 @@ def test_a_workdir_of_another_experiment_is_refused_naming_the_fields(tmp_path):
     assert (tmp_path / "experiment.json").read_text() == stored
 
 
-
 def test_a_workdir_written_before_a_field_existed_is_the_same_experiment(tmp_path):
     """A stored spec lacking a config field flatlm added since (here train.flat.score_forward) is the same
     experiment when the field is at its default, and another one when the field is set otherwise."""
