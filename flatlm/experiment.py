@@ -43,11 +43,21 @@ PAPER_FLATNESS = dict(num_batches=5, batch_size=2_000, draws=50)
 CPU_FINETUNE = dict(epochs=20, lr_grid=(1e-4, 1e-3, 1e-2), from_init=True)
 
 
+# an experiment's `flatness` spec: what `flatness_pending` measures at every checkpoint (flatlm.flatness.runner)
+FLATNESS_DEFAULTS = dict(
+    enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50,
+    grow_to=(),  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
+    groups="",  # per-group traces: "" (top-level keys), "leaf", "growth", "block" (flatness.estimates)
+    spectrum_k=0, density_probes=0, density_iters=30,  # Hessian spectrum (flatness.compare.spectrum_report)
+    preconditioned=False)  # AdamW runs: Adam's preconditioned sharpness (flatness.preconditioned)
+
+
 def flatness_seeking_config(arg: str, name: str, methods: list[tuple[str, list[str]]], description: str,
                             groups: str = "") -> ml_collections.ConfigDict:
     """The flatness-seeking experiments' shared presets (configs/experiments/flatness_seeking*.py): `methods` over
-    the suite's base config of `arg`, the Fisher trace at every checkpoint (per `groups`); tiny: 40 steps, seeds 0, 1;
-    cpu: CPU_FINETUNE, seeds 0, 1, 2; paper: PAPER_FLATNESS, seeds 0, 1, 2."""
+    the suite's base config of `arg`, the Fisher trace at every checkpoint (per `groups`), the Hessian's top
+    eigenvalues, Tr(H^2) and Adam's preconditioned sharpness; tiny: 40 steps, seeds 0, 1; cpu: CPU_FINETUNE, seeds
+    0, 1, 2; paper: PAPER_FLATNESS, seeds 0, 1, 2."""
     preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
     base = base_run_config(preset, language)
     # groups only when given: flatness_seeking's stored experiment.json (which has none) stays the same spec
@@ -61,6 +71,11 @@ def flatness_seeking_config(arg: str, name: str, methods: list[tuple[str, list[s
         base.eval.finetune.update(CPU_FINETUNE)  # the rate chosen on validation, and the init control
     else:
         flatness.update(PAPER_FLATNESS)
+    # issue 18 item 4, every curvature figure at every checkpoint: top-5 eigenvalues (10 Lanczos steps), SLQ density
+    # and Tr(H^p) (probes x iters steps), Adam's preconditioned sharpness (20 steps); the measurement batches above
+    probes, iters = {"tiny": (2, 8), "cpu": (8, 30)}.get(preset, (4, 30))
+    flatness.update(spectrum_k=2 if preset == "tiny" else 5, density_probes=probes, density_iters=iters,
+                    preconditioned=True)
     return experiment_config(name, base, methods, flatness=flatness, seeds=(0, 1) if preset == "tiny" else (0, 1, 2),
                              description=description)
 
@@ -84,11 +99,7 @@ def experiment_config(name: str, base, runs: list[tuple[str, list[str]]], evalua
     c.base = base
     c.runs = [{"name": n, "overrides": list(o)} for n, o in runs]
     c.evaluate = evaluate
-    defaults = dict(enabled=False, method="fisher", num_probes=64, num_batches=4, batch_size=128, draws=50,
-                    grow_to=(),  # (num_layers, d_model): embed every checkpoint into this shape first (Figure 5)
-                    groups="",  # per-group traces: "" (top-level keys), "leaf", "growth", "block" (flatness.estimates)
-                    spectrum_k=0, density_probes=0, density_iters=30)  # Hessian spectrum (flatness.compare)
-    c.flatness = ml_collections.ConfigDict({**defaults, **(flatness or {})})
+    c.flatness = ml_collections.ConfigDict({**FLATNESS_DEFAULTS, **(flatness or {})})
     return c
 
 
@@ -236,7 +247,8 @@ def pending_children(exp, root, selected: list[dict], child_args, prefix: str = 
 def _write_spec(exp, root, workdir: str) -> None:
     spec = root / "experiment.json"
     text = exp.to_json_best_effort(indent=1, sort_keys=True)
-    defaults = {"base": json.loads(config_lib.base_config().to_json_best_effort())}  # fields added since: no change
+    defaults = {"base": json.loads(config_lib.base_config().to_json_best_effort()),  # fields added since at their
+                "flatness": json.loads(json.dumps(FLATNESS_DEFAULTS))}  # defaults: no change
     diff = config_lib.changed_fields(json.loads(spec.read_text()), json.loads(text), defaults) if spec.exists() else []
     if diff:  # e.g. a preset changed since that workdir was made
         raise UserError(f"{workdir} holds a different experiment (fields {', '.join(diff[:5])}"
@@ -311,7 +323,8 @@ def flatness_spec(run_dir) -> dict | None:
 
 
 def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
-    """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to) of checkpoints that lack it (`measured_by`:
+    """Measure flatness (`fcfg`: method, probes, batches, draws, grow_to; the spectrum and the preconditioned
+    sharpness of the same checkpoints where it asks for them) of checkpoints that lack it (`measured_by`:
     a trace measured otherwise at a step, e.g. by `flatlm flatness`, does not count)."""
     have = {e["step"] for e in results_lib.load(str(run_dir)) if measured_by(e, fcfg)}
     steps = [s for s in _final_shape_steps(run_dir) if s not in have]
@@ -320,7 +333,8 @@ def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:
                      num_batches=fcfg.num_batches, batch_size=fcfg.batch_size, draws=fcfg.draws,
                      grow_to=tuple(fcfg.grow_to) or None, groups=fcfg.get("groups") or None, progress=progress,
                      spectrum_k=fcfg.get("spectrum_k", 0), density_probes=fcfg.get("density_probes", 0),
-                     density_iters=fcfg.get("density_iters", 30))
+                     density_iters=fcfg.get("density_iters", 30), preconditioned=fcfg.get("preconditioned", False)
+                     and config_lib.load_workdir_config(str(run_dir)).train.optimizer == "adamw")  # Adam's only
 
 
 def load_experiment(spec: str):

@@ -77,15 +77,16 @@ def sections(runs, ests: list[tuple], out_dir: Path) -> list[str]:
                       f"![blocks]({name}.png) ([pdf]({name}.pdf))\n")
 
     # 4a''. the Hessian's spectrum at each run's last measured checkpoint (`flatlm flatness --spectrum-k/--density-*`)
-    spec = [(r.name, r.by_kind("spectrum")[max(r.by_kind("spectrum"))]) for r in runs if r.by_kind("spectrum")][:6]
+    spec = [(r.name, r.by_kind("spectrum")[max(r.by_kind("spectrum"))]) for r in runs if r.by_kind("spectrum")]
     if spec:
-        plots.save(plots.spectrum_panels(spec), out_dir / "spectrum.png")
+        plots.save(plots.spectrum_panels(spec[:6]), out_dir / "spectrum.png")  # every run listed, 6 panels
         lines = [f"- {n} (step {e['step']}): top eigenvalues {', '.join(f'{v:.4g}' for v in e['top']['values'][:5])}"
                  if "top" in e else f"- {n} (step {e['step']})" for n, e in spec]
         lines = [ln + "".join(f"; Tr(H^{m['p']}) = {m['value']:.4g} ± {m['stderr'] or 0:.2g}"
                               for m in e.get("density", {}).get("moments", [])[:2]) for ln, (_, e) in zip(lines, spec)]
+        panels = f" (the first 6 of {len(spec)} runs)" if len(spec) > 6 else ""
         md.append("## Hessian spectrum (Lanczos top eigenvalues ± Ritz bounds; SLQ density and moments)\n\n"
-                  + "\n".join(lines) + "\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf))\n")
+                  + "\n".join(lines) + f"\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf)){panels}\n")
 
     # 4a'''. AdamW runs' preconditioned sharpness against the edge of stability (`flatlm flatness --preconditioned`)
     sharp = [(r.name + ("" if sp == "validation" else f", {sp} objective"), e) for r in runs

@@ -7,8 +7,10 @@ first method: `adamw` in flatness_seeking, `plain` in stacking). At each run's l
   with its 95% t-interval (`flatlm.claims.paired_effect`) of the exact loss, probe and fine-tuning accuracy (first
   task) and the flatness trace (the Fisher's where measured), split into the encoder's blocks and the head's where
   per-group traces were measured (flatlm.models.blocks; the follow-up flatness_seeking_encoder asks whether moving
-  the encoder's part moves the probe). A difference at not-the-same loss is not the
-  paper's kind of evidence: the table says how many pairs qualify.
+  the encoder's part moves the probe), and where measured (an experiment's `flatness.spectrum_k`,
+  `density_probes`, `preconditioned`) the Hessian's top eigenvalue, Tr(H^2) and Adam's preconditioned sharpness
+  (issue 18 item 4: every curvature figure, paired). A difference at not-the-same loss is not the paper's kind of
+  evidence: the table says how many pairs qualify.
 - `pretraining_gain`: per arm, fine-tuning from the pre-trained weights minus fine-tuning the same run's
   initialisation (`eval.finetune.from_init`), paired over seeds: what pre-training adds to fine-tuning at all.
   When it is zero, the fine-tuning column says nothing about the encoder.
@@ -52,7 +54,30 @@ def final(run) -> dict:
             "finetune_init": pick(at("finetune_init", None)),
             "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
             "trace_encoder": encoder, "trace_head": head, "task": task,
+            **spectrum_figures(at("spectrum"), at("preconditioned_sharpness")),
             **{f"layer{k}": v for k, v in sorted(layers.items())}}
+
+
+def spectrum_figures(spectra: list[dict], preconditioned: list[dict]) -> dict[str, float]:
+    """A checkpoint's curvature figures beyond the trace (`flatlm.flatness.runner` entries; the latest of each kind,
+    the model's own shape before a grown view): "top1", the Hessian's largest Ritz value (Lanczos); "trace_h2",
+    Tr(H^2) from the SLQ probes; "precond", the top eigenvalue of Adam's P^-1 H. Absent where not measured."""
+    out = {}
+    spec = sorted(spectra, key=lambda e: not e.get("grown_to"))[-1:]  # the own shape's, else a grown view's
+    for e in spec:
+        if e.get("top", {}).get("values"):
+            out["top1"] = e["top"]["values"][0]
+        moments = {m["p"]: m["value"] for m in e.get("density", {}).get("moments", [])}
+        if 2 in moments:
+            out["trace_h2"] = moments[2]
+    if preconditioned:
+        out["precond"] = preconditioned[-1]["value"]
+    return out
+
+
+# the paired table's columns after the trace, each shown where a control seed has it: (key, header)
+EXTRA_COLUMNS = (("trace_encoder", "encoder blocks"), ("trace_head", "head"), ("top1", "top eigenvalue"),
+                 ("trace_h2", "Tr(H^2)"), ("precond", "P^-1 H top (Adam)"))
 
 
 def effect(control: dict, treated: dict, key: str, scale: float, key_control: str | None = None) -> str:
@@ -80,14 +105,14 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
         return []
     task = next((p["task"] for p in base.values() if p.get("task")), None)
     method = next((p["method"] for p in base.values() if p.get("method")), None)
-    split = any(p.get("trace_head") is not None for p in base.values())
+    extra = [(k, h) for k, h in EXTRA_COLUMNS if any(p.get(k) is not None for p in base.values())]
     title = title or f"Paired against {control} (last checkpoint; arm - {control}, mean [95% t-interval] over seeds)"
     md = [f"\n## {title}\n",
           f"Same loss: pairs with both exact KL <= {claims.MAX_KL} nats and |loss gap| < max({claims.MIN_LOSS_GAP}, "
           "2 x subset std) (flatlm.claims).\n",
           f"| arm | seeds | same loss | exact loss (nats) | probe {task} (pp) | fine-tune {task} (pp) | trace "
-          f"({method or '-'}) |" + (" encoder blocks | head |" if split else ""),
-          "|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
+          f"({method or '-'}) |" + "".join(f" {h} |" for _, h in extra),
+          "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for name, treated in arms.items():
         if name == control:
             continue
@@ -96,8 +121,7 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
         c, t = ({s: {**d[s], "loss": d[s]["loss"]["loss"]} for s in seeds} for d in (base, treated))
         md.append(f"| {name} | {len(seeds)} | {sum(same)} of {len(seeds)} | {effect(c, t, 'loss', 1.0)} | "
                   f"{effect(c, t, 'probe', 100.0)} | {effect(c, t, 'finetune', 100.0)} | "
-                  f"{effect(c, t, 'trace', 1.0)} |"
-                  + (f" {effect(c, t, 'trace_encoder', 1.0)} | {effect(c, t, 'trace_head', 1.0)} |" if split else ""))
+                  f"{effect(c, t, 'trace', 1.0)} |" + "".join(f" {effect(c, t, k, 1.0)} |" for k, _ in extra))
     return md
 
 

@@ -158,8 +158,9 @@ def test_a_workdir_of_another_experiment_is_refused_naming_the_fields(tmp_path):
 
 
 def test_a_workdir_written_before_a_field_existed_is_the_same_experiment(tmp_path):
-    """A stored spec lacking a config field flatlm added since (here train.flat.score_forward) is the same
-    experiment when the field is at its default, and another one when the field is set otherwise."""
+    """A stored spec lacking a field flatlm added since (a config field, train.flat.score_forward, or a flatness
+    spec field, flatness.preconditioned) is the same experiment when the field is at its default, and another one
+    when the field is set otherwise."""
     from flatlm.config import base_config
     from flatlm.errors import UserError
     from flatlm.experiment import _write_spec, experiment_config
@@ -167,11 +168,15 @@ def test_a_workdir_written_before_a_field_existed_is_the_same_experiment(tmp_pat
     exp = experiment_config("t", base_config(), [("adamw", [])])
     _write_spec(exp, tmp_path, str(tmp_path))
     spec = json.loads((tmp_path / "experiment.json").read_text())
-    del spec["base"]["train"]["flat"]["score_forward"]
+    del spec["base"]["train"]["flat"]["score_forward"], spec["flatness"]["preconditioned"]
     (tmp_path / "experiment.json").write_text(json.dumps(spec))
     _write_spec(exp, tmp_path, str(tmp_path))
     exp.base.train.flat.score_forward = "loss"
     with pytest.raises(UserError, match=r"fields base\.train\.flat\.score_forward\)"):
+        _write_spec(exp, tmp_path, str(tmp_path))
+    exp.base.train.flat.score_forward = "clean"
+    exp.flatness.preconditioned = True
+    with pytest.raises(UserError, match=r"fields flatness\.preconditioned\)"):
         _write_spec(exp, tmp_path, str(tmp_path))
 
 

@@ -241,3 +241,35 @@ def test_probe_by_layer_figure_draws_each_arms_means_by_hand():
     x1, y1 = l1.lines[0].get_data()
     assert len(x1) == 1 and round(x1[0]) == 1 and y1[0] == pytest.approx(51.0)  # one layer: layer 1 is the last
     assert report_paired.probe_by_layer_figure([_run_data("x-seed0", 1.0, 0.4, 0.5)]) is None
+
+
+def test_paired_table_adds_the_spectrum_figures_where_measured():
+    """With `flatness.spectrum_k`, `density_probes` and `preconditioned` (flatness_seeking's presets) the paired
+    table adds the top Hessian eigenvalue, Tr(H^2) (the SLQ moment p = 2) and Adam's preconditioned sharpness,
+    each paired by hand; a grown view's spectrum (Figure 5) is not the model's own and is passed over."""
+    from flatlm import report_paired
+
+    top = {"adamw": [5.0, 6.0, 5.5], "sam": [3.0, 3.5, 4.5]}
+    h2 = {"adamw": [40.0, 44.0, 41.0], "sam": [20.0, 25.0, 21.0]}
+    pre = {"adamw": [300.0, 320.0, 310.0], "sam": [250.0, 330.0, 270.0]}
+    runs = []
+    for arm in ("adamw", "sam"):
+        for s in range(3):
+            r = _run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5)
+            moments = [{"p": 1, "value": 9.0, "stderr": 1.0}, {"p": 2, "value": h2[arm][s], "stderr": 2.0}]
+            r.results += [{"kind": "spectrum", "step": 50, "grown_to": None, "top": {"values": [top[arm][s], 1.0]},
+                           "density": {"moments": moments}},
+                          {"kind": "spectrum", "step": 50, "grown_to": [2, 64], "top": {"values": [99.0]},
+                           "density": {"moments": [{"p": 2, "value": 99.0}]}},
+                          {"kind": "preconditioned_sharpness", "step": 50, "value": pre[arm][s]},
+                          {"kind": "preconditioned_sharpness", "step": 40, "value": -1.0}]  # not the last step
+            runs.append(r)
+    md = report_paired.arms_vs_control(runs)
+    head = [c.strip() for c in md[2].strip("|").split("|")]
+    assert head[-3:] == ["top eigenvalue", "Tr(H^2)", "P^-1 H top (Adam)"] and "head" not in head
+    assert md[3].count("---") == len(head)
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| sam")]
+    for col, values in zip(row[-3:], (top, h2, pre)):
+        assert col == _ci(np.subtract(values["sam"], values["adamw"]), 1.0)
+    bare = [_run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5) for arm in ("adamw", "sam") for s in range(2)]
+    assert "top eigenvalue" not in report_paired.arms_vs_control(bare)[2]  # not measured: no column
