@@ -60,8 +60,7 @@ def flatness_seeking_config(arg: str, name: str, methods: list[tuple[str, list[s
     0, 1, 2; paper: PAPER_FLATNESS, seeds 0, 1, 2."""
     preset, language = parse_arg(arg, languages=("hmm", "pcfg"))
     base = base_run_config(preset, language)
-    # groups only when given: flatness_seeking's stored experiment.json (which has none) stays the same spec
-    flatness = dict(enabled=True, method="fisher", **({"groups": groups} if groups else {}))
+    flatness = dict(enabled=True, method="fisher", groups=groups)
     if preset == "tiny":
         base.train.update(steps=40, eval_every=20)
         base.checkpoint.every = 20

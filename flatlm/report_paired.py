@@ -122,6 +122,10 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
         md.append(f"| {name} | {len(seeds)} | {sum(same)} of {len(seeds)} | {effect(c, t, 'loss', 1.0)} | "
                   f"{effect(c, t, 'probe', 100.0)} | {effect(c, t, 'finetune', 100.0)} | "
                   f"{effect(c, t, 'trace', 1.0)} |" + "".join(f" {effect(c, t, k, 1.0)} |" for k, _ in extra))
+    scale = [(h, [p[k] for p in base.values() if p.get(k) is not None]) for k, h in (("trace", "trace"), *extra)]
+    if any(v for _, v in scale):
+        md.append(f"\nFor scale, {control}'s own values (mean over its seeds): "
+                  + "; ".join(f"{h} {sum(v) / len(v):.4g}" for h, v in scale if v) + ".")
     return md
 
 

@@ -271,5 +271,9 @@ def test_paired_table_adds_the_spectrum_figures_where_measured():
     (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| sam")]
     for col, values in zip(row[-3:], (top, h2, pre)):
         assert col == _ci(np.subtract(values["sam"], values["adamw"]), 1.0)
+    assert md[-1] == (f"\nFor scale, adamw's own values (mean over its seeds): top eigenvalue "
+                      f"{np.mean(top['adamw']):.4g}; Tr(H^2) {np.mean(h2['adamw']):.4g}; P^-1 H top (Adam) "
+                      f"{np.mean(pre['adamw']):.4g}.")
     bare = [_run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5) for arm in ("adamw", "sam") for s in range(2)]
-    assert "top eigenvalue" not in report_paired.arms_vs_control(bare)[2]  # not measured: no column
+    md = report_paired.arms_vs_control(bare)
+    assert "top eigenvalue" not in md[2] and "For scale" not in md[-1]  # not measured: no column, no scale
