@@ -9,6 +9,7 @@ import numpy as np
 
 from flatlm import report_plots as plots
 from flatlm import results as results_lib
+from flatlm.config import SEED_SUFFIX
 
 ESTIMATOR_LABELS = {
     "exact": "Tr(H) exact",
@@ -18,6 +19,15 @@ ESTIMATOR_LABELS = {
     "xtrace": "Tr(H) XTrace",
     "empirical_fisher": "Tr(empirical Fisher), true labels",
 }
+
+
+def _one_per_arm(named: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The first run of each arm (`<arm>-seed<k>` runs share an arm; any other name is its own), in order."""
+    first = {}
+    for name, entry in named:
+        match = SEED_SUFFIX.match(name)
+        first.setdefault(match.group(1) if match else name, (name, entry))
+    return list(first.values())
 
 
 def estimator_key(entry: dict) -> tuple:
@@ -79,12 +89,13 @@ def sections(runs, ests: list[tuple], out_dir: Path) -> list[str]:
     # 4a''. the Hessian's spectrum at each run's last measured checkpoint (`flatlm flatness --spectrum-k/--density-*`)
     spec = [(r.name, r.by_kind("spectrum")[max(r.by_kind("spectrum"))]) for r in runs if r.by_kind("spectrum")]
     if spec:
-        plots.save(plots.spectrum_panels(spec[:6]), out_dir / "spectrum.png")  # every run listed, 6 panels
+        shown = _one_per_arm(spec) if len(spec) > 6 else spec
+        plots.save(plots.spectrum_panels(shown[:6]), out_dir / "spectrum.png")  # every run listed, <= 6 plotted
         lines = [f"- {n} (step {e['step']}): top eigenvalues {', '.join(f'{v:.4g}' for v in e['top']['values'][:5])}"
                  if "top" in e else f"- {n} (step {e['step']})" for n, e in spec]
         lines = [ln + "".join(f"; Tr(H^{m['p']}) = {m['value']:.4g} ± {m['stderr'] or 0:.2g}"
                               for m in e.get("density", {}).get("moments", [])[:2]) for ln, (_, e) in zip(lines, spec)]
-        panels = f" (the first 6 of {len(spec)} runs)" if len(spec) > 6 else ""
+        panels = f" (plotted: {', '.join(n for n, _ in shown[:6])})" if len(spec) > 6 else ""
         md.append("## Hessian spectrum (Lanczos top eigenvalues ± Ritz bounds; SLQ density and moments)\n\n"
                   + "\n".join(lines) + f"\n\n![spectrum](spectrum.png) ([pdf](spectrum.pdf)){panels}\n")
 

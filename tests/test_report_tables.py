@@ -277,3 +277,10 @@ def test_paired_table_adds_the_spectrum_figures_where_measured():
     bare = [_run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5) for arm in ("adamw", "sam") for s in range(2)]
     md = report_paired.arms_vs_control(bare)
     assert "top eigenvalue" not in md[2] and "For scale" not in md[-1]  # not measured: no column, no scale
+
+
+def test_spectrum_panels_show_one_run_per_arm_when_there_are_more_than_six():
+    from flatlm.report_curvature import _one_per_arm
+
+    named = [(f"{arm}-seed{s}", {"step": s}) for arm in ("adamw", "sam", "pen") for s in range(3)] + [("x", {})]
+    assert [n for n, _ in _one_per_arm(named)] == ["adamw-seed0", "sam-seed0", "pen-seed0", "x"]
