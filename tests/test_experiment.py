@@ -369,3 +369,26 @@ def test_the_jobs_queue_starts_the_longest_runs_first_and_stops_starting_after_a
         experiment_jobs.run_children(todo, 2, False, "suite")
     assert "b/b1 (exit 1; log " in str(e.value)
     assert _FakeChild.log == [("start", "a3"), ("start", "b1"), ("end", "b1"), ("end", "a3")]  # a3 ran to its end
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_flatness_pending_asks_for_the_spectrum_and_adams_sharpness_of_adamw_runs_only(optimizer, tmp_path,
+                                                                                       monkeypatch):
+    """An experiment's flatness spec reaches the measurement: spectrum_k, density_probes/iters as given, and the
+    preconditioned sharpness for an AdamW run, not for another optimizer's (which has no Adam state: measuring it
+    would stop the whole experiment)."""
+    from flatlm import experiment
+    from flatlm.config import base_config, save_workdir_config
+
+    config = base_config()
+    config.train.optimizer = optimizer
+    save_workdir_config(config, str(tmp_path))
+    monkeypatch.setattr(experiment, "_final_shape_steps", lambda run_dir: [10, 20])
+    calls = []
+    monkeypatch.setattr(experiment, "flatness_run", lambda workdir, **kw: calls.append(kw))
+    fcfg = experiment.experiment_config("t", config, [("a", [])], flatness=dict(
+        enabled=True, spectrum_k=3, density_probes=2, density_iters=7, preconditioned=True)).flatness
+    experiment.flatness_pending(tmp_path, fcfg, progress=False)
+    (kw,) = calls
+    assert kw["steps"] == [10, 20] and (kw["spectrum_k"], kw["density_probes"], kw["density_iters"]) == (3, 2, 7)
+    assert kw["preconditioned"] is (optimizer == "adamw")
