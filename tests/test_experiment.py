@@ -376,9 +376,11 @@ def test_flatness_pending_asks_for_the_spectrum_and_adams_sharpness_of_adamw_run
                                                                                        monkeypatch):
     """An experiment's flatness spec reaches the measurement: spectrum_k, density_probes/iters as given, and the
     preconditioned sharpness for an AdamW run, not for another optimizer's (which has no Adam state: measuring it
-    would stop the whole experiment)."""
+    would stop the whole experiment); `spectrum_at="last"` limits those to the final checkpoint, and another value
+    stops the experiment before it starts."""
     from flatlm import experiment
     from flatlm.config import base_config, save_workdir_config
+    from flatlm.errors import UserError
 
     config = base_config()
     config.train.optimizer = optimizer
@@ -389,6 +391,12 @@ def test_flatness_pending_asks_for_the_spectrum_and_adams_sharpness_of_adamw_run
     fcfg = experiment.experiment_config("t", config, [("a", [])], flatness=dict(
         enabled=True, spectrum_k=3, density_probes=2, density_iters=7, preconditioned=True)).flatness
     experiment.flatness_pending(tmp_path, fcfg, progress=False)
-    (kw,) = calls
+    fcfg.spectrum_at = "last"  # the paper preset's: the final checkpoint only
+    experiment.flatness_pending(tmp_path, fcfg, progress=False)
+    kw, last = calls
     assert kw["steps"] == [10, 20] and (kw["spectrum_k"], kw["density_probes"], kw["density_iters"]) == (3, 2, 7)
     assert kw["preconditioned"] is (optimizer == "adamw")
+    assert kw["spectrum_steps"] is None and last["spectrum_steps"] == [20]
+    bad = experiment.experiment_config("t", config, [("a", [])], flatness=dict(spectrum_at="final"))
+    with pytest.raises(UserError, match="flatness.spectrum_at must be 'all' or 'last', got 'final'"):
+        experiment.validate_experiment(bad)

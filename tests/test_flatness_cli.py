@@ -72,6 +72,17 @@ def _main(argv, run, monkeypatch, capsys):
     return capsys.readouterr().out
 
 
+def test_spectrum_steps_limit_the_spectrum_to_those_checkpoints(run, monkeypatch):
+    """`measure_run(spectrum_steps=...)` (an experiment's `flatness.spectrum_at="last"`): every step gets its trace,
+    only the steps named get the spectrum."""
+    from flatlm.flatness import runner
+
+    monkeypatch.setattr(compare, "spectrum_report", lambda *a, **kw: {"dim": 3, "top": {"values": [1.0]}})
+    entries = runner.measure_run(run, [100, 200], "fisher", num_batches=1, batch_size=4, draws=2, spectrum_k=2,
+                                 spectrum_steps=[200], append=False, progress=False)
+    assert [(e["kind"], e["step"]) for e in entries] == [("flatness", 100), ("flatness", 200), ("spectrum", 200)]
+
+
 def test_flatness_json_and_table(run, monkeypatch, capsys, tmp_path):
     w = str(tmp_path)  # the verb appends to the workdir's results.json
     calls = []  # the spectrum's numbers are checked against eigh in test_hessian; here what the verb passes and stores

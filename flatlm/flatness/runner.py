@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Collection
 
 import jax
 from tqdm.auto import tqdm
@@ -32,7 +33,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 fisher_form: str = "per_sample", chunk_size: int = 1, groups: str | None = None,
                 grow_to: tuple[int, int] | None = None, gap: bool = False, append: bool = True,
                 progress: bool = True, spectrum_k: int = 0, density_probes: int = 0,
-                density_iters: int = 30, preconditioned: bool = False, split: str = "validation") -> list[dict]:
+                density_iters: int = 30, preconditioned: bool = False, split: str = "validation",
+                spectrum_steps: Collection[int] | None = None) -> list[dict]:
     """Tr(H) (or the `gap` report) of `run`'s checkpoints `steps` (default: all), one entry per step.
 
     `grow_to=(num_layers, d_model)` first embeds every checkpoint into that larger shape without changing its
@@ -40,6 +42,9 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
     Step s uses the key `seed + s` (its spectrum fold_in(that key, 1)); spectrum entries follow their step's
     flatness entry in the returned list. `preconditioned`: also each AdamW checkpoint's preconditioned sharpness
     ({"kind": "preconditioned_sharpness", ...}, `flatlm.flatness.preconditioned`; key fold_in(key, 2)).
+    `spectrum_steps`: the steps that get the spectrum and preconditioned entries (None: every measured step; an
+    experiment's `flatness.spectrum_at="last"` asks for its final checkpoint only, where every checkpoint's Lanczos
+    and SLQ would cost a large share of a paper-scale run).
     `split="train"` measures on the training objective instead (`Run.train_batches`: training sentences, masked as
     training masks them; `seed` unused), recorded in each entry's settings.
     Appending holds the workdir's lock (`flatlm.locks.exclusive`) for the whole measurement: another writer there
@@ -80,7 +85,8 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                 entries.append({"kind": "flatness", "step": step, "method": method, "grown_to": grow_to,
                                 "settings": settings, "trace": est.mean, "trace_stderr": est.stderr,
                                 "detail": est.to_dict(), "seconds": time.perf_counter() - t0})
-            if spectrum_k or density_probes:
+            extras = spectrum_steps is None or step in spectrum_steps
+            if extras and (spectrum_k or density_probes):
                 t0 = time.perf_counter()
                 spec = dict(spectrum_k=spectrum_k, density_probes=density_probes, density_iters=density_iters,
                             **where)
@@ -89,7 +95,7 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
                                                           k=spectrum_k, density_probes=density_probes,
                                                           density_iters=density_iters),
                                 "seconds": time.perf_counter() - t0})
-            if preconditioned:
+            if extras and preconditioned:
                 t0 = time.perf_counter()
                 entries.append({"kind": "preconditioned_sharpness", "step": step, "settings": where,
                                 **precond.measure(model.apply, params, batches, load_adam(step), run.config.train, step,
