@@ -10,9 +10,10 @@ docs/experiments/flatness_seeking-cpu: every run in the same-loss band; SAM lowe
 rate chosen on validation adds only +1.0 to +1.7 pp over fine-tuning each run's initialisation, every interval
 across 0; with seeds 3-5 added (`--seeds 3,4,5`) no accuracy difference between methods excludes 0 either),
 `paper` (the PCFG transformer of Figure 3). Every preset measures, beside the Fisher trace, the Hessian's top
-eigenvalues, its SLQ density and Tr(H^2), and Adam's preconditioned sharpness (`flatness_seeking_config`); the
-report pairs each against AdamW. Rerun with them over 6 seeds (docs/experiments/flatness_seeking-cpu, "Every
-curvature figure"): SAM and the penalty lower every one of them at the same loss, and no accuracy moves.
+eigenvalues, its SLQ density and Tr(H^2), and Adam's preconditioned sharpness (`flatness_seeking_config`; paper:
+at the last checkpoint only); the report pairs each against AdamW. Rerun with them over 6 seeds
+(docs/experiments/flatness_seeking-cpu, "Every curvature figure"): SAM and the penalty lower every one of them at
+the same loss, and no accuracy moves.
 """
 
 from flatlm.experiment import flatness_seeking_config
