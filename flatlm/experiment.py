@@ -143,9 +143,9 @@ def validate_experiment(exp) -> None:
         raise UserError(f"experiment {exp.name}: run names must be unique, got {names}")
     for r in exp.runs:
         validate(run_config(exp, r), jax.device_count())
-    if exp.get("flatness", {}).get("spectrum_at", "all") not in ("all", "last"):
-        raise UserError(f"experiment {exp.name}: flatness.spectrum_at must be 'all' or 'last', got "
-                        f"{exp.flatness.spectrum_at!r}")
+    spectrum_at = (getattr(exp, "flatness", None) or {}).get("spectrum_at", "all")
+    if spectrum_at not in ("all", "last"):
+        raise UserError(f"experiment {exp.name}: flatness.spectrum_at must be 'all' or 'last', got {spectrum_at!r}")
 
 
 def _done(run_dir: Path, final_step: int) -> bool:
