@@ -9,7 +9,6 @@ import numpy as np
 
 from flatlm import report_plots as plots
 from flatlm import results as results_lib
-from flatlm.config import SEED_SUFFIX
 
 ESTIMATOR_LABELS = {
     "exact": "Tr(H) exact",
@@ -25,8 +24,7 @@ def _one_per_arm(named: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """The first run of each arm (`<arm>-seed<k>` runs share an arm; any other name is its own), in order."""
     first = {}
     for name, entry in named:
-        match = SEED_SUFFIX.match(name)
-        first.setdefault(match.group(1) if match else name, (name, entry))
+        first.setdefault(plots.method_name(name), (name, entry))
     return list(first.values())
 
 

@@ -63,11 +63,11 @@ def spectrum_figures(spectra: list[dict], preconditioned: list[dict]) -> dict[st
     the model's own shape before a grown view): "top1", the Hessian's largest Ritz value (Lanczos); "trace_h2",
     Tr(H^2) from the SLQ probes; "precond", the top eigenvalue of Adam's P^-1 H. Absent where not measured."""
     out = {}
-    spec = sorted(spectra, key=lambda e: not e.get("grown_to"))[-1:]  # the own shape's, else a grown view's
-    for e in spec:
-        if e.get("top", {}).get("values"):
-            out["top1"] = e["top"]["values"][0]
-        moments = {m["p"]: m["value"] for m in e.get("density", {}).get("moments", [])}
+    own = [e for e in spectra if not e.get("grown_to")] or spectra  # the own shape's, else a grown view's
+    if own:
+        if own[-1].get("top", {}).get("values"):
+            out["top1"] = own[-1]["top"]["values"][0]
+        moments = {m["p"]: m["value"] for m in own[-1].get("density", {}).get("moments", [])}
         if 2 in moments:
             out["trace_h2"] = moments[2]
     if preconditioned:
