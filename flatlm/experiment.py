@@ -31,6 +31,7 @@ from flatlm.errors import UserError
 from flatlm.evaluate.runner import evaluate_run, incomplete_steps
 from flatlm.flatness.runner import flatness_run
 from flatlm.models import stacking
+from flatlm.results import flatness_spec, measured_by  # noqa: F401 - public names of this module too
 from flatlm.train.loop import train_and_evaluate, validate
 
 # Tr(H) as the paper measures it (B.1, B.2): 10,000 contexts x_-t, 50 draws of x_t each, the std over 5 resamples
@@ -301,29 +302,6 @@ def evaluate_pending(run_dir: Path, progress: bool) -> None:
     if steps:
         evaluate_run(str(run_dir), steps, lookup=False if "lookup_table" in have else None, progress=progress,
                      lookup_words=False if "lookup_words" in have else None)
-
-
-def measured_by(entry: dict, fcfg) -> bool:
-    """Whether flatness `entry` is the measurement the experiment's flatness spec `fcfg` makes (`flatness_pending`):
-    the same estimator (method, grown_to, fisher form) on the same validation batches with the same probes and
-    draws. A trace another command added at the step (`flatlm flatness --method hutchinson`, other batches, the
-    training split) is another measurement. Settings an entry does not record (written before they were) match."""
-    if entry.get("kind") != "flatness" or entry.get("method") != fcfg.get("method", "fisher"):
-        return False
-    if tuple(entry.get("grown_to") or ()) != tuple(fcfg.get("grow_to") or ()):
-        return False
-    want = dict(split="validation", seed=0, fisher_form="per_sample", chunk_size=1,
-                num_batches=fcfg.get("num_batches", 4), batch_size=fcfg.get("batch_size", 128),
-                num_draws=fcfg.get("draws", 50), num_probes=fcfg.get("num_probes") or 64)
-    settings = {"split": "validation", **(entry.get("settings") or {})}
-    return all(settings[k] == v for k, v in want.items() if k in settings)
-
-
-def flatness_spec(run_dir) -> dict | None:
-    """The flatness spec of the experiment `run_dir` belongs to (`<experiment>/runs/<name>/`; its
-    experiment.json), or None for a run outside an experiment."""
-    spec = paths.path(run_dir).parent.parent / "experiment.json"
-    return json.loads(spec.read_text()).get("flatness") if spec.exists() else None
 
 
 def flatness_pending(run_dir: Path, fcfg, progress: bool) -> None:

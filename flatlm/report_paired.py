@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from flatlm import claims
 from flatlm.models.blocks import block_group
+from flatlm.report_curvature import estimator_key
 from flatlm.report_plots import by_seed, subplots
+from flatlm.results import flatness_spec, measured_by
 
 
 def split_trace(entry: dict) -> tuple[float | None, float | None]:
@@ -36,9 +38,16 @@ def split_trace(entry: dict) -> tuple[float | None, float | None]:
     return sum(groups.values()) - sum(head), sum(head)
 
 
+def _validation(entries: list[dict]) -> list[dict]:
+    """The entries measured on the validation split (`flatlm flatness --split`; no split recorded: validation)."""
+    return [e for e in entries if (e.get("settings") or {}).get("split", "validation") == "validation"]
+
+
 def final(run) -> dict:
     """The last checkpoint's exact loss, probe / fine-tuning accuracy (first task), the fine-tuned initialisation's
-    accuracy and the flatness trace of a `flatlm.report.RunData`."""
+    accuracy, its flatness traces ("traces": `estimator_key` -> entry; `with_trace` picks one for a table) and
+    spectrum figures of a `flatlm.report.RunData`. A run in an experiment offers only the experiment's own
+    trace (`flatlm.results.measured_by` its spec), not one another command (`flatlm flatness`) added at the step."""
     loss = run.by_kind("exact_loss")
     if not loss:
         return {}
@@ -48,20 +57,38 @@ def final(run) -> dict:
     task = min((e["task"] for e in probes + tunes), default=None)
     pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)  # noqa: E731
     layers = {e["layer"]: e["accuracy"] for e in at("layer_probe") if e.get("task") == task}  # the latest wins
-    traces = sorted(at("flatness"), key=lambda e: (e.get("method") != "fisher", bool(e.get("grown_to"))))
-    encoder, head = split_trace(traces[0]) if traces else (None, None)
+    if "flatness_spec" not in run.extra:  # read once per run
+        run.extra["flatness_spec"] = flatness_spec(run.path) if run.path is not None else None
+    spec = run.extra["flatness_spec"]
+    traces = {estimator_key(e): e for e in _validation(at("flatness")) if spec is None or measured_by(e, spec)}
     return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
-            "finetune_init": pick(at("finetune_init", None)),
-            "trace": traces[0]["trace"] if traces else None, "method": traces[0].get("method") if traces else None,
-            "trace_encoder": encoder, "trace_head": head, "task": task,
-            **spectrum_figures(at("spectrum"), at("preconditioned_sharpness")),
+            "finetune_init": pick(at("finetune_init", None)), "traces": traces, "task": task,
+            **spectrum_figures(_validation(at("spectrum")), _validation(at("preconditioned_sharpness"))),
             **{f"layer{k}": v for k, v in sorted(layers.items())}}
 
 
+def table_estimator(points) -> tuple | None:
+    """The one trace estimator a table compares (`final` points; traces of different estimators are different
+    quantities and never enter one paired difference): the one most of `points` have, the Fisher's and the model's
+    own shape before others."""
+    keys = [k for p in points for k in p.get("traces", {})]
+    return max(dict.fromkeys(keys), key=lambda k: (keys.count(k), k[0] == "fisher", k[1] is None), default=None)
+
+
+def with_trace(point: dict, key: tuple | None) -> dict:
+    """`point` with "trace", "method", "trace_encoder" and "trace_head" of estimator `key` (None where the run lacks
+    it: the seed then drops out of that column's pairs)."""
+    entry = point.get("traces", {}).get(key) if point else None
+    encoder, head = split_trace(entry) if entry else (None, None)
+    return {**point, "trace": entry["trace"] if entry else None, "method": key[0] if key else None,
+            "trace_encoder": encoder, "trace_head": head} if point else point
+
+
 def spectrum_figures(spectra: list[dict], preconditioned: list[dict]) -> dict[str, float]:
-    """A checkpoint's curvature figures beyond the trace (`flatlm.flatness.runner` entries; the latest of each kind,
-    the model's own shape before a grown view): "top1", the Hessian's largest Ritz value (Lanczos); "trace_h2",
-    Tr(H^2) from the SLQ probes; "precond", the top eigenvalue of Adam's P^-1 H. Absent where not measured."""
+    """A checkpoint's curvature figures beyond the trace (validation-split `flatlm.flatness.runner` entries; the
+    latest of each kind, the model's own shape before a grown view): "top1", the Hessian's largest Ritz value
+    (Lanczos); "trace_h2", Tr(H^2) from the SLQ probes; "precond", the top eigenvalue of Adam's P^-1 H. Absent
+    where not measured."""
     out = {}
     own = [e for e in spectra if not e.get("grown_to")] or spectra  # the own shape's, else a grown view's
     if own:
@@ -100,11 +127,13 @@ def arms_vs_control(runs, control: str | None = None, title: str | None = None) 
     `control`: the arm to compare against (default: the first arm)."""
     arms = groups(runs)
     control = control or next(iter(arms), None)
+    key = table_estimator(arms.get(control, {}).values())
+    arms = {name: {s: with_trace(p, key) for s, p in arm.items()} for name, arm in arms.items()}
     base = arms.get(control, {})
     if len(base) < 2 or len(arms) < 2:
         return []
     task = next((p["task"] for p in base.values() if p.get("task")), None)
-    method = next((p["method"] for p in base.values() if p.get("method")), None)
+    method = key[0] if key else None
     extra = [(k, h) for k, h in EXTRA_COLUMNS if any(p.get(k) is not None for p in base.values())]
     title = title or f"Paired against {control} (last checkpoint; arm - {control}, mean [95% t-interval] over seeds)"
     md = [f"\n## {title}\n",

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 from flatlm import claims
-from flatlm.experiment import flatness_spec, measured_by
 from flatlm.report import RunData, find_runs
 from flatlm.report_paired import split_trace
 from flatlm.report_plots import by_seed
+from flatlm.results import flatness_spec, measured_by
 
 
 def at(run: RunData, kind: str, step: int, keep=lambda e: True, **match) -> dict | None:

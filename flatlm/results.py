@@ -35,6 +35,7 @@ DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  
 
 
 def _clean(x):
+    """`x` as JSON-able values; a non-finite float as its string ("nan", "inf", "-inf": JSON has no NaN)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
@@ -48,13 +49,28 @@ def _clean(x):
     return x
 
 
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _restore(x):
+    """`_clean`'s strings for non-finite floats back as floats, so every reader sees numbers (a one-probe trace's
+    NaN stderr formats as "nan" instead of failing a report)."""
+    if isinstance(x, str):
+        return _NON_FINITE.get(x, x)
+    if isinstance(x, dict):
+        return {k: _restore(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_restore(v) for v in x]
+    return x
+
+
 def load(workdir: str) -> list[dict]:
     """Every entry of the workdir's results.json ([] if there is none); one line if the file is damaged."""
     path = paths.path(workdir, "results.json")
     if not path.exists():
         return []
     try:
-        return json.loads(path.read_text())["results"]
+        return _restore(json.loads(path.read_text())["results"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise UserError(f"{path} is damaged ({type(e).__name__}: {e}); restore it from a copy, or move it aside "
                         "to start a fresh one (its results are then lost)") from None
@@ -80,7 +96,7 @@ def append(workdir: str, entries: list[dict]) -> None:
     now = time.time()
     new = {identity(e): e for e in (_clean({"time": now, **e}) for e in entries)}  # the last of equal ones
     with locks.waiting(paths.path(workdir, ".results.lock"), f"writing {path}"):
-        kept = [e for e in load(workdir) if identity(e) not in new]
+        kept = [_clean(e) for e in load(workdir) if identity(e) not in new]
         with disk_full_is_one_line(f"no space left on {path.parent} while writing results.json; "
                                    "its earlier results are intact"):
             paths.write_text(path, json.dumps({"results": kept + list(new.values())}, indent=1))
@@ -93,3 +109,26 @@ def latest(entries: list[dict], **match) -> dict | None:
     """The most recent entry whose fields equal `match`."""
     hits = [e for e in entries if all(e.get(k) == v for k, v in match.items())]
     return hits[-1] if hits else None
+
+
+def measured_by(entry: dict, fcfg) -> bool:
+    """Whether flatness `entry` is the measurement the experiment's flatness spec `fcfg` makes (`flatness_pending`):
+    the same estimator (method, grown_to, fisher form) on the same validation batches with the same probes and
+    draws. A trace another command added at the step (`flatlm flatness --method hutchinson`, other batches, the
+    training split) is another measurement. Settings an entry does not record (written before they were) match."""
+    if entry.get("kind") != "flatness" or entry.get("method") != fcfg.get("method", "fisher"):
+        return False
+    if tuple(entry.get("grown_to") or ()) != tuple(fcfg.get("grow_to") or ()):
+        return False
+    want = dict(split="validation", seed=0, fisher_form="per_sample", chunk_size=1,
+                num_batches=fcfg.get("num_batches", 4), batch_size=fcfg.get("batch_size", 128),
+                num_draws=fcfg.get("draws", 50), num_probes=fcfg.get("num_probes") or 64)
+    settings = {"split": "validation", **(entry.get("settings") or {})}
+    return all(settings[k] == v for k, v in want.items() if k in settings)
+
+
+def flatness_spec(run_dir) -> dict | None:
+    """The flatness spec of the experiment `run_dir` belongs to (`<experiment>/runs/<name>/`; its
+    experiment.json), or None for a run outside an experiment."""
+    spec = paths.path(run_dir).parent.parent / "experiment.json"
+    return json.loads(spec.read_text()).get("flatness") if spec.exists() else None

@@ -3,6 +3,8 @@ initialisation (`eval.finetune.from_init`) in columns of its own, per run and ov
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -284,3 +286,91 @@ def test_spectrum_panels_show_one_run_per_arm_when_there_are_more_than_six():
 
     named = [(f"{arm}-seed{s}", {"step": s}) for arm in ("adamw", "sam", "pen") for s in range(3)] + [("x", {})]
     assert [n for n, _ in _one_per_arm(named)] == ["adamw-seed0", "sam-seed0", "pen-seed0", "x"]
+
+
+def test_paired_table_compares_one_estimator_on_the_validation_split():
+    """A trace or spectrum another command added at the last step (`flatlm flatness --method fisher`, `--split
+    train`) on some seeds never enters a paired difference: the table takes the estimator most control seeds have
+    (here Hutchinson, measured on every seed) and the validation split's spectrum and sharpness. Found by an audit:
+    seed 0's extra Fisher trace (3.0) was subtracted from the other arm's Hutchinson trace."""
+    from flatlm import report_paired
+
+    hutch = {"adamw": [10.0, 11.0, 12.5], "sam": [10.1, 11.1, 12.6]}
+    top = {"adamw": [5.0, 6.0, 7.0], "sam": [5.1, 6.1, 7.1]}
+    runs = []
+    for arm in ("adamw", "sam"):
+        for s in range(3):
+            r = _run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5)
+            r.results += [{"kind": "flatness", "step": 50, "method": "hutchinson", "trace": hutch[arm][s]},
+                          {"kind": "spectrum", "step": 50, "top": {"values": [top[arm][s]]}},
+                          {"kind": "preconditioned_sharpness", "step": 50, "value": top[arm][s]}]
+            if arm == "adamw" and s == 0:  # added afterwards by other commands
+                r.results += [{"kind": "flatness", "step": 50, "method": "fisher", "trace": 3.0},
+                              {"kind": "spectrum", "step": 50, "settings": {"split": "train"},
+                               "top": {"values": [50.0]}},
+                              {"kind": "preconditioned_sharpness", "step": 50, "settings": {"split": "train"},
+                               "value": 9.0}]
+            runs.append(r)
+    md = report_paired.arms_vs_control(runs)
+    head = [c.strip() for c in md[2].strip("|").split("|")]
+    assert head[6] == "trace (hutchinson)"
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| sam")]
+    assert row[6] == _ci(np.subtract(hutch["sam"], hutch["adamw"]), 1.0)
+    assert row[-2] == row[-1] == _ci(np.subtract(top["sam"], top["adamw"]), 1.0)
+    # a seed without the table's estimator drops out of the trace's pairs instead of lending another one
+    runs[0].results = [e for e in runs[0].results if e.get("method") != "fisher"]
+    runs[1].results = [e for e in runs[1].results if e["kind"] != "flatness"]
+    runs[1].results.append({"kind": "flatness", "step": 50, "method": "fisher", "trace": 4.0})
+    md = report_paired.arms_vs_control(runs)
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in md if line.startswith("| sam")]
+    assert row[6] == _ci(np.subtract(hutch["sam"][::2], hutch["adamw"][::2]), 1.0)
+
+
+def test_paired_table_takes_the_experiments_own_trace(tmp_path):
+    """Runs of an experiment (`<workdir>/runs/<name>`, experiment.json's flatness spec) are compared on the
+    experiment's own measurement (`flatlm.results.measured_by`), not on a trace of the same estimator measured
+    afterwards on other batches."""
+    from flatlm import report_paired
+    from flatlm.report import RunData
+
+    (tmp_path / "experiment.json").write_text(json.dumps({"flatness": {"method": "fisher", "num_batches": 4}}))
+    own = {"adamw": [10.0, 11.0], "sam": [8.0, 8.5]}
+    runs = []
+    for arm in ("adamw", "sam"):
+        for s in range(2):
+            r = _run_data(f"{arm}-seed{s}", 1.0, 0.5, 0.5)
+            r.path = tmp_path / "runs" / r.name
+            r.results.append({"kind": "flatness", "step": 50, "method": "fisher", "trace": own[arm][s],
+                              "settings": {"num_batches": 4}})
+            r.results.append({"kind": "flatness", "step": 50, "method": "fisher", "trace": 100.0 * (s + 1),
+                              "settings": {"num_batches": 1}})  # `flatlm flatness --num-batches 1`, later
+            runs.append(r)
+    assert isinstance(runs[0], RunData)
+    for _ in range(2):  # either order in results.json (a resumed experiment's re-measurement goes to the end)
+        (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in report_paired.arms_vs_control(runs)
+                  if line.startswith("| sam")]
+        assert row[6] == _ci(np.subtract(own["sam"], own["adamw"]), 1.0)
+        for r in runs:
+            r.results[-2:] = r.results[-2:][::-1]
+
+
+def test_a_nan_stderr_is_read_back_as_a_number_and_reported(tmp_path):
+    """results.json has no NaN: `results.append` writes a one-probe trace's NaN stderr as "nan"; `load` gives the
+    float back (an audit found `flatlm report` failing on the string), and a rewrite keeps it."""
+    import math
+
+    wd = tmp_path / "r"
+    wd.mkdir()
+    (wd / "config.json").write_text("{}")
+    entry = {"kind": "flatness", "step": 10, "method": "fisher", "trace": 2.5, "trace_stderr": float("nan"),
+             "detail": {"stderr": float("inf")}}
+    results.append(str(wd), [entry, {"kind": "probe", "step": 10, "task": "A", "accuracy": 0.5,
+                                    "accuracy_std": 0.0}])
+    assert '"nan"' in (wd / "results.json").read_text()
+    results.append(str(wd), [{"kind": "probe", "step": 20, "task": "A", "accuracy": 0.6,
+                              "accuracy_std": 0.0}])  # rewrites the file
+    (back,) = [e for e in results.load(str(wd)) if e["kind"] == "flatness"]
+    assert math.isnan(back["trace_stderr"]) and back["detail"]["stderr"] == math.inf and back["method"] == "fisher"
+    json.loads((wd / "results.json").read_text(), parse_constant=pytest.fail)  # still strict JSON: no NaN
+    md = report.make_report([str(wd)], str(tmp_path / "out")).read_text()
+    assert "2.5 ± nan" in md
