@@ -512,3 +512,32 @@ def test_random_grammar_defaults_have_the_released_shape():
     lengths = ref_length_distribution(g, 16)
     assert lengths[:2].sum() == 0 and lengths.sum() == pytest.approx(1.0)
     assert 9.7 < (np.arange(17) * lengths).sum() < 11.7  # released grammar: 10.66
+
+
+def test_float32_keeps_long_sentences_of_a_grammar_with_rare_rules():
+    """Audit regression: a span of zero mass (normaliser 1) used to set its parent's reference scale, above every
+    real span's (which shrink by log s at each width), so in float32 the real splits' weights underflowed and a
+    derivable 16-word sentence got P(x) = 0 and rows of zeros. S -> S S | X Y (1e-3 each) | Z S; X -> x .7 | u .3;
+    Y -> y; Z -> z: every x/u can be the other (q_t = [.7, 0, 0, .3] in closed form at x/u positions, one-hot at
+    y and z), and the float64 chart (exact against parse-tree sums above) gives log P."""
+    N, V, p = 4, 4, 1e-3
+    binary, emit = np.zeros((N, N, N)), np.zeros((N, V))
+    binary[0, 0, 0] = binary[0, 1, 2] = p
+    binary[0, 3, 0] = 1 - 2 * p
+    emit[1, 0], emit[1, 3], emit[2, 1], emit[3, 2] = 0.7, 0.3, 1.0, 1.0
+    g = PCFG(np.eye(N)[0], binary, emit, max_length=32)
+    lengths = np.array([14, 16, 24, 31, 32], np.int32)
+    rng = np.random.default_rng(0)
+    tokens = np.full((len(lengths), 32), V, np.int32)
+    for b, n in enumerate(lengths):  # z^(n mod 2) then (x|u) y pairs
+        pairs = np.stack([rng.choice([0, 3], n // 2), np.ones(n // 2, int)], 1).ravel()
+        tokens[b, :n] = np.concatenate([np.full(n % 2, 2), pairs])
+    q = g.conditionals(tokens, lengths)
+    with jax.enable_x64(True):
+        want_logp = g.log_prob(tokens, lengths)
+    np.testing.assert_allclose(g.log_prob(tokens, lengths), want_logp, rtol=1e-5)
+    assert want_logp.min() < -150  # far below float32's e^-87: the chart's scales carry it
+    closed = {0: [0.7, 0, 0, 0.3], 3: [0.7, 0, 0, 0.3], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0]}
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(q[b, :n], [closed[w] for w in tokens[b, :n]], atol=1e-6)
+        assert not q[b, n:].any()

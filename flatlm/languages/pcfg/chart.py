@@ -40,10 +40,12 @@ def has_wide_blocks(plan: Plan) -> bool:
 
 
 def _normalise(new_IBN):
-    """Divide each span's vector by its max (an all-zero span keeps scale 1). Returns (scaled, scale [I, B])."""
+    """Divide each span's vector by its max (an all-zero span keeps scale 1). Returns (scaled, scale [I, B], mass
+    [I, B]: 1 where the span has any, else 0)."""
     s_IB = jax.lax.stop_gradient(new_IBN.max(-1))
+    mass_IB = (s_IB > 0).astype(new_IBN.dtype)
     s_IB = jnp.where(s_IB > 0, s_IB, 1)
-    return new_IBN / s_IB[..., None], s_IB
+    return new_IBN / s_IB[..., None], s_IB, mass_IB
 
 
 def _read(x, start: tuple[int, ...], size: tuple[int, ...]):
@@ -60,34 +62,37 @@ def _dot(a, b):
 
 
 _NEG = -1e30  # log scale of widths no nonterminal can span: their split weight exp(_NEG - top) is 0
+_MAX_UP = 60.0  # cap on a split weight's log above the reference: exp stays finite in float32 (< e^88)
 
 
 class Chart:
     """The scaled inside chart of a batch, plus the outside pass written by hand.
 
-    by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as [N + 1]:
-    beta' [N] and, last, the log scale: inside = beta' * exp(log scale + the span's leaf log scales).
+    by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as [N + 2]:
+    beta' [N], the log scale (inside = beta' * exp(log scale + the span's leaf log scales)) and, last, 1 if the
+    span has mass, else 0.
     Children of span [i, i+w) at split d: left [i, i+d) = by_start[i, :, d-1], right [i+d, i+w) =
     by_end[i+w-1, :, w-d-1], so all starts i and splits d0..d1 of one width are two rectangular slices
-    [I, B, D, N + 1], batch dims leading.
+    [I, B, D, N + 2], batch dims leading.
 
     Shape letters: T words, B sentences, N nonterminals, I starts of spans of one width, D splits, L and R
-    a block's left and right children, P child pairs (summed over blocks), E = N + 1 (beta' and the log
-    scale), M = I * B rows.
+    a block's left and right children, P child pairs (summed over blocks), E = N + 2 (beta', the log
+    scale and the mass flag), M = I * B rows.
     """
 
     def __init__(self, plan: Plan, consts, leaf_TBN):
         T, B, N = leaf_TBN.shape
         dtype = leaf_TBN.dtype
         self.plan, self.consts, self.T, self.B, self.N = plan, consts, T, B, N
-        beta_TBN, s_TB = _normalise(leaf_TBN)
+        beta_TBN, s_TB, mass_TB = _normalise(leaf_TBN)
         self.scale = {1: s_TB}  # per width: the normaliser [I, B] of each span
         # Leaves start at log scale 0 and their own scales are kept apart (inside = beta' * exp(chart log
         # scale + sum of the span's leaf log scales)): the chart's log scales then stay small, so float32
         # resolves the split weights exp(lsum - top) to ~1e-7 even in long sentences.
         self.leaf_log_TB = jnp.log(s_TB)
-        leaf_TB1E = jnp.concatenate([beta_TBN, jnp.zeros((T, B, 1), dtype)], -1)[:, :, None]
-        empty = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), jnp.full((T, B, T - 1, 1), _NEG, dtype)], -1)
+        leaf_TB1E = jnp.concatenate([beta_TBN, jnp.zeros((T, B, 1), dtype), mass_TB[..., None]], -1)[:, :, None]
+        empty = jnp.concatenate([jnp.zeros((T, B, T - 1, N), dtype), jnp.full((T, B, T - 1, 1), _NEG, dtype),
+                                 jnp.zeros((T, B, T - 1, 1), dtype)], -1)
         # Two different expressions, so that XLA does not merge them and then copy to update both in place.
         self.by_start = jnp.concatenate([leaf_TB1E, empty], 2)
         self.by_end = jnp.concatenate([empty, leaf_TB1E], 2)[:, :, ::-1]
@@ -99,11 +104,17 @@ class Chart:
         log scale top [I, B]. (The outside pass reads them again from the final chart: keeping the forward
         slices alive would make XLA copy the whole chart at every later in-place update.)"""
         I, D, B, N = self.T - w + 1, spec.d1 - spec.d0 + 1, self.B, self.N
-        left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N + 1))
-        right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N + 1)), (2,))
+        left = _read(self.by_start, (0, 0, spec.d0 - 1, 0), (I, B, D, N + 2))
+        right = jax.lax.rev(_read(self.by_end, (w - 1, 0, w - spec.d1 - 1, 0), (I, B, D, N + 2)), (2,))
         lsum_IBD = left[..., N] + right[..., N]
-        top_IB = lsum_IBD.max(-1)
-        f_IBD = jnp.exp(lsum_IBD - top_IB[..., None])
+        # The reference scale comes from the splits whose two children both have mass. A span of zero mass keeps
+        # normaliser 1, so its log scale (its own top) sits above those of real spans, which shrink by log s at
+        # every width; as a reference it underflowed the real splits' weights in float32 (a derivable sentence
+        # of 16 words with rules of probability 1e-3 got P(x) = 0). Splits with an empty child still carry the
+        # outside pass's derivative (a word that would give the child mass), capped at e^_MAX_UP above it.
+        live_IBD = left[..., N + 1] * right[..., N + 1] > 0
+        top_IB = jnp.where(live_IBD.any(-1), jnp.where(live_IBD, lsum_IBD, -jnp.inf).max(-1), lsum_IBD.max(-1))
+        f_IBD = jnp.exp(jnp.minimum(lsum_IBD - top_IB[..., None], _MAX_UP))
         # Materialise the two operands contiguously: the outer products below read each many times.
         left, right = jax.lax.optimization_barrier((left[..., :N] * f_IBD[..., None], right[..., :N]))
         return left, right, f_IBD, top_IB
@@ -131,9 +142,10 @@ class Chart:
             pairs.append(outer_IBLR.reshape(I * B, -1))
         pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
         new_IBN = _dot(pairs_MP, self.consts["G_in"][w])[:, :N].reshape(I, B, N)
-        beta_IBN, s_IB = _normalise(new_IBN)
+        beta_IBN, s_IB, mass_IB = _normalise(new_IBN)
         self.scale[w] = s_IB
-        new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None]], -1)[:, :, None]
+        new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None], mass_IB[..., None]],
+                                   -1)[:, :, None]
         self.by_start = jax.lax.dynamic_update_slice(self.by_start, new_IB1E, (0, 0, w - 1, 0))
         self.by_end = jax.lax.dynamic_update_slice(self.by_end, new_IB1E, (w - 1, 0, w - 1, 0))
 

@@ -159,7 +159,10 @@ class PCFG:
         One batched JAX computation for every position and word (the outside pass gives the gradient of
         the inside pass with respect to every leaf). A position whose context no derivable sentence has
         gives a row of zeros. A `mask` id (special_ids(V).mask) inside a sentence is an unobserved word,
-        summed over (in every method that takes tokens).
+        summed over (in every method that takes tokens). In float32, the rows of a sentence the grammar cannot
+        derive (P(x) = 0, e.g. one word replaced) can come out as zeros at long lengths when its rules are rare
+        (16 words at rule probabilities 1e-3): its chart has no mass to scale by. Run such inputs under
+        `jax.enable_x64()`; sentences the grammar derives are exact to rounding in either dtype.
         """
         tokens, lengths = self._check(tokens, lengths)
         return self._run("conditionals", tokens, lengths)["q"][:, : tokens.shape[1]]
