@@ -82,6 +82,37 @@ def test_power_iteration_agrees_with_lanczos(problem):
     assert top.values[0] == pytest.approx(value, rel=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-5, 1e-8])
+def test_power_iteration_converges_whatever_the_hessians_scale_and_trace(scale):
+    """Audit regression: the stopping test compared against a start of 0 with an absolute floor of tol, so a
+    Hessian whose first Rayleigh quotient (~ Tr(H) / n) is near 0, or any Hessian of small scale, stopped after one
+    or a few HVPs far from its top eigenvalue. A diagonal one (closed form): trace 0 with |top| 10, and diag(1..50)
+    times `scale`."""
+    with jax.enable_x64(True):
+        c = jnp.asarray(np.concatenate([[10.0], -np.ones(10)]))
+        value, used = spectrum.power_iteration(lambda p: 0.5 * jnp.sum(c * p["x"] ** 2), {"x": jnp.ones(11)},
+                                               jax.random.key(0), num_iters=500, tol=1e-10)
+        assert value == pytest.approx(10.0, rel=1e-6) and used > 1
+        d = scale * jnp.arange(1.0, 51.0)
+        value, used = spectrum.power_iteration(lambda p: 0.5 * jnp.sum(d * p["x"] ** 2), {"x": jnp.ones(50)},
+                                               jax.random.key(0), num_iters=5000, tol=1e-10)
+    assert value == pytest.approx(50 * scale, rel=1e-4) and used < 5000
+
+
+def test_lanczos_breakdown_test_is_relative_to_the_operators_scale():
+    """Audit regression: breakdown was beta <= 1e-10 max(1, |alpha|), so an operator of norm ~1e-10 looked
+    exhausted after one step. The same quadratic at scale 1 and 1e-11 gives the same top eigenvalues over eigh."""
+    rng = np.random.default_rng(3)
+    Q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
+    eig = np.concatenate([[-2.0], np.linspace(0.1, 4.0, 37), [8.0, 10.0]])
+    with jax.enable_x64(True):
+        for scale in (1.0, 1e-11):
+            A = jnp.asarray(scale * (Q * eig) @ Q.T)
+            top = spectrum.top_eigenvalues(lambda p, A=A: 0.5 * p["x"] @ A @ p["x"], {"x": jnp.zeros(40)},
+                                           jax.random.key(1), k=2, num_iters=40)
+            np.testing.assert_allclose(top.values / scale, [10.0, 8.0], rtol=1e-8)
+
+
 def test_slq_moments_estimate_trace_and_frobenius_norm(problem):
     loss_fn, params, H, eig = problem
     with jax.enable_x64(True):

@@ -79,7 +79,8 @@ def lanczos(matvec: MatVec, v0: Params, num_iters: int) -> tuple[np.ndarray, np.
         coefs.append((alpha, beta))
         v_prev, v = v, v_next
     alphas, betas = np.asarray(jax.device_get(coefs), np.float64).T
-    stop = next((i for i, (a, b) in enumerate(zip(alphas, betas)) if b <= 1e-10 * max(1.0, abs(a))), num_iters - 1)
+    scale = np.maximum.accumulate(np.maximum(np.abs(alphas), betas))  # the operator's size seen so far
+    stop = next((i for i, b in enumerate(betas) if b <= 1e-10 * scale[i]), num_iters - 1)
     return alphas[: stop + 1], betas[: stop + 1]
 
 
@@ -145,7 +146,10 @@ def top_eigenvalues(loss_fn: Callable[[Params], jax.Array], params: Params, key:
                     num_iters: int | None = None, matvec: MatVec | None = None) -> TopEigenvalues:
     """The k largest eigenvalues of the Hessian of `loss_fn` at `params` by Lanczos from a Rademacher start.
 
-    num_iters defaults to k + 5 (k = 20 in 25 HVPs); `matvec` replaces the HVP (e.g. a Fisher-vector product)."""
+    num_iters defaults to k + 5 (k = 20 in 25 HVPs); `matvec` replaces the HVP (e.g. a Fisher-vector product).
+    Distinct eigenvalues, largest first (algebraic, not by magnitude): a single start vector sees one direction of
+    each eigenspace, so an exactly repeated eigenvalue comes back once and fewer than k values can come back
+    when the Krylov space is exhausted (in exact arithmetic; float32 rounding may resolve copies)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     mv = matvec or jax.jit(hvp_fn(loss_fn, params))
@@ -158,16 +162,20 @@ def top_eigenvalues(loss_fn: Callable[[Params], jax.Array], params: Params, key:
 
 def power_iteration(loss_fn: Callable[[Params], jax.Array], params: Params, key: jax.Array, num_iters: int = 200,
                     tol: float = 1e-7, matvec: MatVec | None = None) -> tuple[float, int]:
-    """(eigenvalue of largest magnitude, HVPs used): v <- Hv / |Hv| until the Rayleigh quotient moves < tol."""
+    """(eigenvalue of largest magnitude, HVPs used): v <- Hv / |Hv| until the Rayleigh quotient moves by at most
+    tol of itself between two iterations (relative, so a Hessian of any scale converges alike; an audit found the
+    old absolute floor and a start at 0 returning after one HVP when the first quotient, ~Tr(H) / n, was near 0)."""
     mv = matvec or jax.jit(hvp_fn(loss_fn, params))
     v = _start(key, params)
     v = _scale(1.0 / np.sqrt(_dot(v, v)), v)
-    value = 0.0
+    value = None
     for i in range(1, num_iters + 1):
         w = mv(v)
-        new = _dot(w, v)
-        v = _scale(1.0 / np.sqrt(_dot(w, w)), w)
-        if abs(new - value) <= tol * max(1.0, abs(new)):
+        new, norm = _dot(w, v), np.sqrt(_dot(w, w))
+        if norm == 0:  # H v = 0: v is in the null space (a zero Hessian)
+            return 0.0, i
+        v = _scale(1.0 / norm, w)
+        if value is not None and abs(new - value) <= tol * abs(new):
             return new, i
         value = new
     return value, num_iters
