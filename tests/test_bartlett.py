@@ -83,6 +83,27 @@ def test_bartlett_identity_with_sampled_labels_and_off_the_optimum():
     assert abs(off["true"]["rel_gap"]) > 0.2 and off["grad_norm"] > 0.1
 
 
+def test_bartlett_error_bars_count_each_noise_once(monkeypatch):
+    """Audit regression, the formulas with stand-in estimates: the sampled source's stderr is the spread of the
+    draws' means (each already holds its probe noise; it was added again), and a Hutchinson Hessian on several
+    batches reports its probe stderr (the trace over exactly these batches, beside the Fisher of the same ones),
+    not the between-batch stderr, which counts their spread as data."""
+    from flatlm.flatness.estimates import TraceEstimate
+
+    with jax.enable_x64():
+        params = init(jax.random.PRNGKey(0))
+        ctx = {"tokens": jnp.asarray(CONTEXTS), "targets": jnp.zeros(CONTEXTS.shape, jnp.int32),
+               "weights": jnp.ones(CONTEXTS.shape)}
+        draws = iter([2.0, 3.0, 7.0])
+        monkeypatch.setattr(bt, "_hessian_trace", lambda *a: (next(draws), 10.0))
+        out = bt.bartlett_check(apply, params, ctx, jax.random.PRNGKey(1), num_label_draws=3,
+                                label_sources=("sampled",))
+        assert out["sampled"]["stderr"] == pytest.approx(np.std([2.0, 3.0, 7.0], ddof=1) / np.sqrt(3))
+        monkeypatch.undo()
+        monkeypatch.setattr(bt, "hutchinson_trace", lambda *a, **k: TraceEstimate(4.0, 5.0, 8, probe_stderr=0.5))
+        assert bt._hessian_trace(None, params, [ctx, ctx], None, "hutchinson", 4) == (4.0, 0.5)
+
+
 def test_noise_ablation_only_sgd_flattens_faster_with_lr_over_batch():
     """From the teacher's own function reparameterised sharply (E diag(c), W1 / c: same conditionals, so the
     population optimum, with a larger Tr(H)): full-batch GD stays; SGD on fresh samples lowers Tr(H), faster with a
