@@ -43,6 +43,14 @@ def _validation(entries: list[dict]) -> list[dict]:
     return [e for e in entries if (e.get("settings") or {}).get("split", "validation") == "validation"]
 
 
+def experiment_flatness_spec(run) -> dict | None:
+    """The flatness spec of the experiment a `flatlm.report.RunData` belongs to (None outside one), read once per
+    run: what tells the experiment's own trace from one another command (`flatlm flatness`) added at a step."""
+    if "flatness_spec" not in run.extra:
+        run.extra["flatness_spec"] = flatness_spec(run.path) if run.path is not None else None
+    return run.extra["flatness_spec"]
+
+
 def final(run) -> dict:
     """The last checkpoint's exact loss, probe / fine-tuning accuracy (first task), the fine-tuned initialisation's
     accuracy, its flatness traces ("traces": `estimator_key` -> entry; `with_trace` picks one for a table) and
@@ -57,9 +65,7 @@ def final(run) -> dict:
     task = min((e["task"] for e in probes + tunes), default=None)
     pick = lambda es: next((e["accuracy"] for e in reversed(es) if e.get("task") == task), None)  # noqa: E731
     layers = {e["layer"]: e["accuracy"] for e in at("layer_probe") if e.get("task") == task}  # the latest wins
-    if "flatness_spec" not in run.extra:  # read once per run
-        run.extra["flatness_spec"] = flatness_spec(run.path) if run.path is not None else None
-    spec = run.extra["flatness_spec"]
+    spec = experiment_flatness_spec(run)
     traces = {estimator_key(e): e for e in _validation(at("flatness")) if spec is None or measured_by(e, spec)}
     return {"loss": loss[step], "probe": pick(probes), "finetune": pick(tunes),
             "finetune_init": pick(at("finetune_init", None)), "traces": traces, "task": task,

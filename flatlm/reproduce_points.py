@@ -14,9 +14,9 @@ from pathlib import Path
 
 from flatlm import claims
 from flatlm.report import RunData, find_runs
-from flatlm.report_paired import split_trace
+from flatlm.report_paired import experiment_flatness_spec, split_trace
 from flatlm.report_plots import by_seed
-from flatlm.results import flatness_spec, measured_by
+from flatlm.results import measured_by
 
 
 def at(run: RunData, kind: str, step: int, keep=lambda e: True, **match) -> dict | None:
@@ -42,9 +42,7 @@ def point(run: RunData, step: int) -> dict:
     """Exact loss, probe accuracy (first task) and Tr(H) (if measured) of one checkpoint."""
     loss = at(run, "exact_loss", step)
     probe = at(run, "probe", step, task=task_of(run))
-    if "flatness_spec" not in run.extra:  # read once per run: the experiment's own trace, not one another
-        run.extra["flatness_spec"] = flatness_spec(run.path)  # command (`flatlm flatness`) added at the step
-    spec = run.extra["flatness_spec"]
+    spec = experiment_flatness_spec(run)
     trace = at(run, "flatness", step, keep=lambda e: spec is None or measured_by(e, spec))
     invariant = ((trace or {}).get("detail") or {}).get("per_group", {}).get("growth_invariant")
     return {"loss": loss, "accuracy": probe["accuracy"] if probe else None,
