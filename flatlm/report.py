@@ -55,7 +55,7 @@ class RunData:
         """step -> latest results entry of `kind` (e.g. "exact_loss") measured on `split` (`flatlm flatness
         --split`; entries without one are validation's). Not for "flatness": see `flatness`."""
         return {e["step"]: e for e in self.results
-                if e["kind"] == kind and (e.get("settings") or {}).get("split", "validation") == split}
+                if e["kind"] == kind and results_lib.split_of(e) == split}
 
     def flatness(self, estimator: tuple) -> dict:
         """step -> latest flatness entry of one estimator (`estimator_key`): traces of different estimators

@@ -32,7 +32,7 @@ def estimator_key(entry: dict) -> tuple:
     """(method, grown_to) of a flatness entry: what makes two traces comparable. A trace measured on another split
     than validation (`flatlm flatness --split train`) is another quantity: its method reads "<method>@<split>"."""
     grown = entry.get("grown_to")
-    split = (entry.get("settings") or {}).get("split", "validation")
+    split = results_lib.split_of(entry)
     method = entry.get("method", "?") + ("" if split == "validation" else f"@{split}")
     return method, tuple(grown) if grown else None
 

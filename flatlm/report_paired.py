@@ -24,7 +24,7 @@ from flatlm import claims
 from flatlm.models.blocks import block_group
 from flatlm.report_curvature import estimator_key
 from flatlm.report_plots import by_seed, subplots
-from flatlm.results import flatness_spec, measured_by
+from flatlm.results import flatness_spec, measured_by, split_of
 
 
 def split_trace(entry: dict) -> tuple[float | None, float | None]:
@@ -40,7 +40,7 @@ def split_trace(entry: dict) -> tuple[float | None, float | None]:
 
 def _validation(entries: list[dict]) -> list[dict]:
     """The entries measured on the validation split (`flatlm flatness --split`; no split recorded: validation)."""
-    return [e for e in entries if (e.get("settings") or {}).get("split", "validation") == "validation"]
+    return [e for e in entries if split_of(e) == "validation"]
 
 
 def experiment_flatness_spec(run) -> dict | None:

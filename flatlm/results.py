@@ -30,6 +30,12 @@ from flatlm.errors import UserError, disk_full_is_one_line
 # What a flatness / spectrum / preconditioned-sharpness entry was measured on (its settings' "split"; absent:
 # "validation", masked validation sentences; "train": the training objective, see `flatlm flatness --split`)
 SPLITS = ("validation", "train")
+
+
+def split_of(entry: dict) -> str:
+    """The split a flatness / spectrum / sharpness entry was measured on (entries written before splits: validation)."""
+    return (entry.get("settings") or {}).get("split", "validation")
+
 IDENTITY = ("kind", "step", "task", "layer", "method", "grown_to", "settings")  # settings: how it was measured
 DETAIL_IDENTITY = ("method", "num_batches", "num_samples", "config", "frozen")  # estimator / probe settings
 
