@@ -87,7 +87,7 @@ def test_bartlett_error_bars_count_each_noise_once(monkeypatch):
     """Audit regression, the formulas with stand-in estimates: the sampled source's stderr is the spread of the
     draws' means (each already holds its probe noise; it was added again), and a Hutchinson Hessian on several
     batches reports its probe stderr (the trace over exactly these batches, beside the Fisher of the same ones),
-    not the between-batch stderr, which counts their spread as data."""
+    not the between-batch stderr, which counts their spread as data; so does a sampled Fisher."""
     from flatlm.flatness.estimates import TraceEstimate
 
     with jax.enable_x64():
@@ -102,6 +102,10 @@ def test_bartlett_error_bars_count_each_noise_once(monkeypatch):
         monkeypatch.undo()
         monkeypatch.setattr(bt, "hutchinson_trace", lambda *a, **k: TraceEstimate(4.0, 5.0, 8, probe_stderr=0.5))
         assert bt._hessian_trace(None, params, [ctx, ctx], None, "hutchinson", 4) == (4.0, 0.5)
+        # the sampled Fisher likewise: the draws' error over these contexts, not the batches' spread
+        monkeypatch.setattr(bt, "fisher_trace", lambda *a, **k: TraceEstimate(3.0, 2.0, 8, probe_stderr=0.25))
+        out = bt.bartlett_check(apply, params, ctx, jax.random.PRNGKey(1), fisher="sampled", label_sources=())
+        assert (out["fisher"], out["fisher_stderr"]) == (3.0, 0.25)
 
 
 def test_noise_ablation_only_sgd_flattens_faster_with_lr_over_batch():

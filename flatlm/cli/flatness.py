@@ -66,9 +66,10 @@ def run(args) -> int:
     if args.gap:
         print_table([{"step": r["step"], "loss": r["loss"], "tr_hessian": r["hessian"]["mean"],
                       "se_h": r["hessian"]["stderr"], "tr_fisher": r["fisher"]["mean"], "se_f": r["fisher"]["stderr"],
-                      "tr_emp_fisher": r["empirical_fisher"]["mean"], "h_minus_f_z": r["hessian_minus_fisher_z"]}
+                      "tr_emp_fisher": r["empirical_fisher"]["mean"], "h_minus_f": r["hessian_minus_fisher"],
+                      "se_gap": r["hessian_minus_fisher_stderr"], "h_minus_f_z": r["hessian_minus_fisher_z"]}
                      for r in rows], ["step", "loss", "tr_hessian", "se_h", "tr_fisher", "se_f", "tr_emp_fisher",
-                                      "h_minus_f_z"])
+                                      "h_minus_f", "se_gap", "h_minus_f_z"])
     else:
         print_table(rows, ["step", "method", "mean", "stderr", "probe_stderr", "data_std", "num_samples"])
     if spectra:

@@ -110,7 +110,8 @@ def bartlett_check(apply_fn: ApplyFn, params, batches: Batch | Iterable[Batch], 
         fisher_mean, fisher_se = exact_fisher_trace(apply_fn, params, bs).mean, 0.0
     else:
         est = fisher_trace(apply_fn, params, bs, jax.random.fold_in(key, 10**7), num_draws=fisher_draws)
-        fisher_mean, fisher_se = est.mean, est.stderr
+        # the error of Tr(F) over exactly these contexts (the Hessians are taken on them too): the draws' alone
+        fisher_mean, fisher_se = est.mean, est.probe_stderr if est.probe_stderr is not None else est.stderr
     out: dict[str, Any] = {"fisher": fisher_mean, "fisher_stderr": fisher_se, "hessian_method": hessian}
     ce = _loss_fn(apply_fn, "ce")
 

@@ -50,6 +50,9 @@ class TraceEstimate:
       sqrt(2 (||H||_F^2 - sum_i H_ii^2))).
     per_group, per_group_stderr: traces of the diagonal blocks of the parameter groups; they sum to `mean`.
     trace_sq, trace_sq_stderr: Tr(H^2) = ||H||_F^2 (Hutchinson: E||Hv||^2), None where not computed.
+    batch_means: per data batch, the mean of its samples (deterministic offsets excluded), for errors of differences
+      of two estimates on the same batches (`paired_difference`); () where samples are not per batch. In memory
+      only: `to_dict` leaves it out, so stored results keep one size whatever the number of batches.
     """
 
     mean: float
@@ -64,12 +67,15 @@ class TraceEstimate:
     per_group_stderr: Mapping[str, float] = dataclasses.field(default_factory=dict)
     trace_sq: float | None = None
     trace_sq_stderr: float | None = None
+    batch_means: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (NaN becomes None)."""
         clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
         out = {}
         for f in dataclasses.fields(self):
+            if f.name == "batch_means":
+                continue
             v = getattr(self, f.name)
             out[f.name] = {k: clean(float(x)) for k, x in v.items()} if isinstance(v, Mapping) else clean(v)
         return out
@@ -82,6 +88,7 @@ class _Moments:
     probe_stderr: float | None
     data_std: float | None
     sample_std: float | None
+    batch_means: tuple[float, ...]
 
 
 def _moments(per_batch: Sequence[np.ndarray]) -> _Moments:
@@ -106,7 +113,7 @@ def _moments(per_batch: Sequence[np.ndarray]) -> _Moments:
         between = float(m_b.var(ddof=1))
         stderr = math.sqrt(between / B)
         data_std = math.sqrt(max(0.0, between - noise_of_mean_b))
-    return _Moments(mean, stderr, probe_se, data_std, sample_std)
+    return _Moments(mean, stderr, probe_se, data_std, sample_std, tuple(float(m) for m in m_b))
 
 
 def summarize(
@@ -116,12 +123,15 @@ def summarize(
     method: str,
     sq_samples: Sequence[np.ndarray] | None = None,
     offset_per_group: np.ndarray | None = None,
+    num_batches: int | None = None,
 ) -> TraceEstimate:
     """Build a TraceEstimate from per-batch samples.
 
     group_samples: one array [n_b, G] per batch; row j holds sample j split over the G parameter groups
       (the total sample is the row sum). offset_per_group: a deterministic part added to the estimate
-      (Hutch++'s low-rank trace). sq_samples: per-batch [n_b] samples of Tr(H^2).
+      (Hutch++'s low-rank trace). sq_samples: per-batch [n_b] samples of Tr(H^2). num_batches: the data batches
+      behind one pooled array of samples (an operator averaged over several batches, as Hutch++'s): metadata only,
+      the stderr stays the samples' own (probe) error; default: one per array.
     """
     gs = [np.asarray(g, np.float64).reshape(np.shape(g)[0], -1) for g in group_samples]
     off = np.zeros(len(group_names)) if offset_per_group is None else np.asarray(offset_per_group, np.float64)
@@ -137,7 +147,7 @@ def summarize(
         stderr=total.stderr,
         num_samples=int(sum(g.shape[0] for g in gs)),
         method=method,
-        num_batches=len(gs),
+        num_batches=len(gs) if num_batches is None else int(num_batches),
         probe_stderr=total.probe_stderr,
         data_std=total.data_std,
         sample_std=total.sample_std,
@@ -145,7 +155,32 @@ def summarize(
         per_group_stderr=per_group_se,
         trace_sq=None if sq is None else sq.mean,
         trace_sq_stderr=None if sq is None else sq.stderr,
+        batch_means=total.batch_means if len(gs) > 1 else (),
     )
+
+
+def paired_difference(a: TraceEstimate, b: TraceEstimate) -> tuple[float, float, str]:
+    """(a.mean - b.mean, its standard error, how the error was formed) for two estimates on the same batches.
+
+    "paired": both have per-batch means over the same number (> 1) of batches; the error is the spread of the
+      per-batch differences / sqrt(B), which keeps the data noise the two share out of the difference (two
+      curvature traces on the same batches move together: adding their errors as if independent overstates the
+      difference's error, 1.8x in an audit of Tr(H) - Tr(F));
+    "probes": both on one batch; the two estimators' randomness is independent given the batch, so the probe
+      errors add in quadrature;
+    "independent": otherwise (e.g. differing batch counts), sqrt(a.stderr^2 + b.stderr^2), conservative when the
+      two are positively correlated.
+    """
+    gap = a.mean - b.mean
+    B = a.num_batches
+    if B > 1 and b.num_batches == B and len(a.batch_means) == len(b.batch_means) == B:
+        d = np.asarray(a.batch_means, np.float64) - np.asarray(b.batch_means, np.float64)
+        return gap, float(d.std(ddof=1) / math.sqrt(B)), "paired"
+    if B == 1 and b.num_batches == 1:
+        sa = a.probe_stderr if a.probe_stderr is not None else a.stderr
+        sb = b.probe_stderr if b.probe_stderr is not None else b.stderr
+        return gap, math.hypot(sa, sb), "probes"
+    return gap, math.hypot(a.stderr, b.stderr), "independent"
 
 
 def top_level_group(path: tuple[str, ...]) -> str:

@@ -372,4 +372,5 @@ def hutchpp_trace(
         return jax.vmap(lambda x, y: group_dots(x, y, ids, G))(a, b)
 
     low = np.asarray(per_sample_dots(Q, AQ)).sum(axis=0)
-    return summarize([np.asarray(per_sample_dots(Gp, AG))], names, method="hutchpp", offset_per_group=low)
+    return summarize([np.asarray(per_sample_dots(Gp, AG))], names, method="hutchpp", offset_per_group=low,
+                     num_batches=len(bs))

@@ -91,7 +91,9 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
     return matmat, sp
 
 
-def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int = 0, sq=None) -> TraceEstimate:
+def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int = 0, sq=None,
+              batches=None) -> TraceEstimate:
+    """The estimate from m exchangeable samples (probe error only); num_batches: the batches the operator averages."""
     s = np.asarray(samples, np.float64)
     se = float(s.std(ddof=1) / np.sqrt(s.size)) if s.size > 1 else float("nan")
     sq_mean = sq_se = None
@@ -99,7 +101,8 @@ def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int =
         q = np.asarray(sq, np.float64)
         sq_mean, sq_se = float(q.mean()), float(q.std(ddof=1) / np.sqrt(q.size)) if q.size > 1 else float("nan")
     return TraceEstimate(mean=float(s.mean()) + offset, stderr=se, num_samples=used or s.size, method=method,
-                         probe_stderr=se, sample_std=float(s.std(ddof=1)) if s.size > 1 else None,
+                         num_batches=len(batch_list(batches)), probe_stderr=se,
+                         sample_std=float(s.std(ddof=1)) if s.size > 1 else None,
                          trace_sq=sq_mean, trace_sq_stderr=sq_se)
 
 
@@ -110,7 +113,7 @@ def hutchinson(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, mat
     V_MN = flat.draw(key, sp, max(1, num_matvecs))
     AV_MN = mm(V_MN)
     z, sq = _hutchinson_samples(V_MN, AV_MN)
-    return _estimate(np.asarray(z), "hutchinson", sq=np.asarray(sq))
+    return _estimate(np.asarray(z), "hutchinson", sq=np.asarray(sq), batches=batches)
 
 
 @jax.jit
@@ -131,7 +134,7 @@ def hutchpp(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec
     low = float(jnp.sum(Q_KN * mm(Q_KN)))  # Tr(Q^T A Q)
     PG_KN = _deflate(Q_KN, G_KN)
     z = jnp.sum(PG_KN * mm(PG_KN), axis=1)  # g^T P A P g
-    return _estimate(np.asarray(z), "hutchpp", offset=low, used=3 * k)
+    return _estimate(np.asarray(z), "hutchpp", offset=low, used=3 * k, batches=batches)
 
 
 @jax.jit
@@ -161,7 +164,7 @@ def xtrace(loss_fn, params: Params, key: jax.Array, num_matvecs: int, *, matvec:
         raise ValueError(f"A Omega is rank deficient (the operator's rank is below num_matvecs // 2 = {m}): "
                          "use fewer products for XTrace")
     ests = _xtrace_ests(Om_MN, Q_MN, R_MM, mm(Q_MN), kind == "sphere", sp.n)
-    return _estimate(np.asarray(ests), f"xtrace_{kind}", used=2 * m)
+    return _estimate(np.asarray(ests), f"xtrace_{kind}", used=2 * m, batches=batches)
 
 
 @functools.partial(jax.jit, static_argnames="n")
