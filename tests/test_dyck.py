@@ -56,6 +56,9 @@ def test_language_interface():
     q = d.conditionals(corpus.tokens, corpus.lengths)
     np.testing.assert_array_equal(q.argmax(-1), corpus.tokens)  # the masked bracket is forced by the counts
     assert d.log_prob(np.zeros((1, 6), np.int32), np.array([6]))[0] == -np.inf
+    short = d.conditionals(corpus.tokens[:2], np.array([6, 4]))  # a length-4 sentence is impossible: no rows
+    np.testing.assert_array_equal(short[0], q[0])
+    assert np.isnan(short[1]).all() and d.log_prob(corpus.tokens[1:2], np.array([4]))[0] == -np.inf
 
 
 def test_user_errors():

@@ -93,7 +93,7 @@ def operator(loss_fn: Callable[..., jax.Array] | None, params: Params, matvec: M
 
 def _estimate(samples: np.ndarray, method: str, offset: float = 0.0, used: int = 0, sq=None,
               batches=None) -> TraceEstimate:
-    """The estimate from m exchangeable samples (probe error only); num_batches: the batches the operator averages."""
+    """The estimate from m exchangeable samples (probe error only); `batches`: those the operator averages."""
     s = np.asarray(samples, np.float64)
     se = float(s.std(ddof=1) / np.sqrt(s.size)) if s.size > 1 else float("nan")
     sq_mean = sq_se = None

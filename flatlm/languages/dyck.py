@@ -188,7 +188,8 @@ class Dyck:
         return np.where(ok, -math.log(math.comb(self.length, self.length // 2)), -np.inf)
 
     def conditionals(self, tokens, lengths) -> np.ndarray:
-        """q[b, t, w] = P(x_t = w | x_-t): one-hot on the forced bracket; NaN where the context is impossible."""
+        """q[b, t, w] = P(x_t = w | x_-t): one-hot on the forced bracket; NaN where the context is impossible,
+        including every row of a sentence whose length is not the language's (it has probability 0, `log_prob`)."""
         tokens = np.asarray(tokens)
         T = self.length
         opens_B = (tokens[:, :T] == OPEN).sum(-1)
@@ -197,4 +198,5 @@ class Dyck:
         q = np.full(tokens.shape[:1] + (T, 2), np.nan)
         q[..., OPEN] = np.where(need_open_BT == 1, 1.0, np.where(need_open_BT == 0, 0.0, np.nan))
         q[..., CLOSE] = 1.0 - q[..., OPEN]
+        q[np.asarray(lengths) != T] = np.nan
         return q

@@ -149,7 +149,8 @@ class HMM:
         definition: Literal["posterior", "sampled"] = "posterior",
         states=None,
     ) -> np.ndarray:
-        """Labels int32[n] of task-k, classifying the hidden state at 0-based position k (paper: k = 6, 10).
+        """Labels int32[n] of task-k, classifying the hidden state at 0-based position k (paper A.1: task-6 and
+        task-10 classify the 6th and 10th hidden variables, k = 5 and 9).
 
         "posterior": argmax_j P(z_k = j | x), the Bayes-optimal label given the sentence.
         "sampled": the state that generated x_k, read from `states` (a Corpus's `latents["states"]`).
