@@ -37,7 +37,8 @@ class TraceEstimate:
     """A trace (e.g. Tr(Hessian) of a loss in nats, per unit parameter squared) with its standard error.
 
     mean, stderr: the estimate and its standard error. With several data batches the stderr treats the batches as
-      independent draws from the data (it contains probe and data noise); with one batch it is the probe stderr.
+      independent draws from the data (it contains probe and data noise); with one batch it is the probe stderr,
+      as it is for the estimators that pool one operator over several batches (Hutch++, XTrace).
     num_samples: scalar samples averaged in all (probes x batches, draws x batches, contexts, ...).
     method: "exact", "hutchinson", "hutchpp", "fisher_per_sample", "fisher_summed", "empirical_fisher", ...
     num_batches: data batches the population quantity averages over.
