@@ -165,6 +165,38 @@ def test_sgd_protocol_is_warmup_12_percent_then_constant():
     assert float(lr(warm)) == pytest.approx(c.train.lr) and float(lr(c.train.steps)) == pytest.approx(c.train.lr)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_weight_decay_is_decoupled_from_the_momentum(momentum):
+    """Audit regression: with momentum the decay went into the momentum buffer (plain L2). Under a zero gradient
+    decoupled SGDW shrinks a decayed weight by (1 - lr wd) per step, whatever the momentum (closed form); a bias
+    (outside the decay mask) stays; with a gradient the update is lr (m_t + wd w), m_t the gradients' momentum."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from ml_collections import ConfigDict
+
+    from flatlm.train.optim import optimizer
+
+    train = ConfigDict(dict(optimizer="sgd", lr=0.1, momentum=momentum, weight_decay=0.5, schedule="constant",
+                            warmup_frac=0.0, steps=10, grad_clip=0.0))
+    opt = optimizer(train)
+    params = {"w": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    state = opt.init(params)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    for t in range(1, 4):
+        upd, state = opt.update(zero, state, params)
+        params = optax.apply_updates(params, upd)
+        assert float(params["w"][0, 0]) == pytest.approx(0.95**t, rel=1e-6) and float(params["bias"][0]) == 1.0
+    g = {"w": jnp.full((2, 2), 2.0), "bias": jnp.zeros(2)}
+    m = 0.0
+    for _ in range(3):
+        w = float(params["w"][0, 0])
+        m = momentum * m + 2.0
+        upd, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, upd)
+        assert float(params["w"][0, 0]) == pytest.approx(w - 0.1 * (m + 0.5 * w), rel=1e-6)
+
+
 def test_pcfg_grammar_and_max_length_come_from_the_config():
     """language.grammar / language.max_length reach random_grammar (a smaller grammar, capped sentences), and a
     grammar that cannot be built is a one-line UserError."""

@@ -91,6 +91,36 @@ def test_sam_with_one_ascent_group_per_sentence_averages_per_sentence_sam(tiny):
     assert float(loss) == pytest.approx(float(np.mean(per)), rel=1e-5)
 
 
+def test_sam_groups_weight_their_predictions_and_draw_their_own_dropout(tiny):
+    """Audit regressions. (1) Groups with 2, 0, 1, 3 predictions: the objective is the prediction-weighted mean of
+    the groups' SAM losses (it was their plain mean, so as rho -> 0 it was not the batch's MLM loss); the logged
+    MLM loss is the batch's. (2) With dropout every group draws its own mask: identical sentences, one per group,
+    give the mean of their losses under split keys (one shared key dropped the same units in every group)."""
+    apply_fn, params, batch = tiny
+    rows = {k: batch[k][:4] for k in ("tokens", "targets", "weights")}
+    w = np.zeros((4, T), np.float32)
+    w[0, :2] = w[2, 3] = w[3, 1:4] = 1.0
+    rows = {**rows, "weights": jnp.asarray(w), "tokens": jnp.where(w > 0, V + 1, rows["targets"])}
+    obj = flat.make_objective(flat.FlatConfig(method="sam", rho=0.1, ascent_groups=4))
+    loss, aux = jax.jit(obj, static_argnums=(2,))(params, rows, apply_fn, None)
+    per = [float(_sam_reference(apply_fn, params, {k: v[i:i + 1] for k, v in rows.items()}, 0.1)[0]) if w[i].sum()
+           else 0.0 for i in range(4)]
+    assert float(loss) == pytest.approx(np.dot(w.sum(1), per) / w.sum(), rel=1e-5)
+    assert float(aux["train/mlm_loss"]) == pytest.approx(float(mlm_loss(params, rows, apply_fn)), rel=1e-6)
+
+    cfg = BertConfig(num_words=V, max_len=T, d_model=8, num_layers=1, num_heads=1, d_ff=16, dropout=0.3,
+                     attention_dropout=0.0)
+    model = Bert(cfg)
+    same = {k: jnp.repeat(batch[k][:1], 4, axis=0) for k in ("tokens", "targets", "weights")}
+    key = jax.random.key(5)
+    _, aux = jax.jit(obj, static_argnums=(2,))(params, same, model.apply, key)
+    want = np.mean([float(mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, k))
+                    for k in jax.random.split(key, 4)])
+    assert float(aux["train/mlm_loss"]) == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx(float(mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, key)),
+                                 rel=1e-3)  # the shared key's value, what the old code logged
+
+
 def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
     apply_fn, params, batch = tiny
     clean = mlm_loss(params, batch, apply_fn)
@@ -211,12 +241,16 @@ def test_training_with_each_method_runs_and_resumes_the_same(tmp_path, method):
     assert last(rows) == pytest.approx(last(rows_b), rel=1e-6)
 
 
-@pytest.mark.parametrize("at_positions", [False, True], ids=["head-everywhere", "head-at-positions"])
-def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_positions):
-    """E[penalty] = (1/n) sum_i sum_y p(y | x_i) ||grad log p(y | x_i)||^2 over the masked positions (full Jacobian),
-    with the head over every position and (as training batches have it) at `positions` only: two unselected
-    positions padded in, so the draws there must not count."""
+@pytest.mark.parametrize("at_positions,fractional", [(False, False), (True, False), (False, True)],
+                         ids=["head-everywhere", "head-at-positions", "fractional-weights"])
+def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_positions, fractional):
+    """E[penalty] = (1/n) sum_i w_i sum_y p(y | x_i) ||grad log p(y | x_i)||^2 over the masked positions (full
+    Jacobian), n = sum_i w_i: the Fisher trace of the weighted mean loss; with the head over every position and (as
+    training batches have it) at `positions` only: two unselected positions padded in, so the draws there must not
+    count. Fractional weights (audit regression: the signs were scaled by w, which estimates sum w_i^2 F_i / n)."""
     apply_fn, params, batch = tiny
+    if fractional:
+        batch = {**batch, "weights": batch["weights"] * jnp.where(jnp.arange(B) == 0, 1.0, 0.25)[:, None]}
     if at_positions:
         order = np.argsort(~np.asarray(batch["weights"] > 0), axis=1, kind="stable")[:, :3]
         batch = {**batch, "positions": jnp.asarray(order, jnp.int32)}
@@ -227,7 +261,8 @@ def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_position
 
     jac, probs = jax.jacrev(logp)(params), jnp.exp(logp(params))
     sq = sum(jnp.sum(g.reshape(*probs.shape, -1) ** 2, -1) for g in jax.tree.leaves(jac))
-    exact = float(jnp.sum(probs * sq) / len(rows))
+    w_n = batch["weights"][rows, cols]
+    exact = float(jnp.sum(w_n[:, None] * probs * sq) / w_n.sum())
     penalty = jax.jit(flat.fisher_penalty, static_argnames=("apply_fn", "probes"))
     samples = np.array([float(penalty(params, batch, apply_fn, jax.random.key(s), 16)) for s in range(24)])
     assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)), (samples.mean(), exact)
@@ -241,7 +276,7 @@ def _fisher_reference(params, apply_fn, tokens, key, w, probes, encoder_only, **
     k_y, k_eps = jax.random.split(key)
     out = []
     for k in jax.random.split(k_eps, probes):
-        eps = jax.random.rademacher(k, w.shape, jnp.float32) * w
+        eps = jax.random.rademacher(k, w.shape, jnp.float32) * jnp.sqrt(w)
 
         def signed(q, eps=eps):
             logp = jax.nn.log_softmax(apply_fn({"params": q}, tokens, **run), axis=-1)

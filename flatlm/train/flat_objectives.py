@@ -5,7 +5,9 @@ step, its shardings, checkpoints and resumption are the plain ones; config `trai
 - "sam" (Foret et al. 2021): the MLM loss at params + rho * g / |g|, g the batch gradient held constant (the usual
   first-order SAM gradient). `ascent_groups` splits the batch into that many groups, each with its own ascent
   step (m-sharpness): 1 is SAM on the batch (with a large batch, close to penalising the top eigenvalue); one group
-  per sentence is stochastic SAM, which penalises Tr(H) (Wen et al. 2022). Cost: two forward-backward passes.
+  per sentence is stochastic SAM, which penalises Tr(H) (Wen et al. 2022). Groups draw their own dropout masks and
+  their losses are weighted by their predictions, so as rho -> 0 the objective is the batch's MLM loss. Cost: two
+  forward-backward passes.
   Written as an objective rather than with `optax.contrib.sam`, whose opaque mode needs the loss's gradient inside
   `optimizer.update` and whose transparent mode alternates ascent and descent *steps* (doubling the step count
   that schedules, checkpoints and resumption count); the maths is the same.
@@ -15,7 +17,9 @@ step, its shardings, checkpoints and resumption are the plain ones; config `trai
 - "trace_penalty": L + gamma * a per-step estimate of the batch's curvature trace, differentiated through, with
   `probes` probes: `penalty="fisher"` (default) the model Fisher trace E_y ||grad log p(y | x)||^2 (labels drawn
   from the model; = Tr(H) at the saturation optimum, Lemma 4.2, and never negative) by Rademacher-signed sums of
-  score gradients; `penalty="hutchinson"` v^T H v of the Hessian itself (forward-over-reverse HVP). The Hessian is
+  score gradients, differentiated with the drawn labels held fixed (Jastrzebski et al. 2021's Fisher penalty; not
+  exactly grad Tr(F), see `fisher_penalty`); `penalty="hutchinson"` v^T H v of the Hessian itself
+  (forward-over-reverse HVP, unbiased for grad Tr(H)). The Hessian is
   indefinite away from the optimum, so its penalty is unbounded below: on `flatness_seeking.py:tiny` (40 steps,
   gamma 0.01) it drove the Fisher trace from 78 to 1.0e4 and the exact loss up by 0.67 nats; hence the default.
   The Fisher score runs without dropout (`score_forward="clean"`: the Tr(F) that `flatlm.flatness` measures), a
@@ -119,10 +123,20 @@ def sam_objective(cfg: FlatConfig):
         if cfg.ascent_groups == 1:  # not vmap over one group: XLA:CPU runs size-1 batched dots slower
             sharp, plain = perturbed(params, data, apply_fn, dropout_key)
         else:
-            groups = jax.tree.map(lambda x: x.reshape(cfg.ascent_groups, -1, *x.shape[1:]), data)
-            sharp, plain = jax.vmap(perturbed, in_axes=(None, 0, None, None))(params, groups, apply_fn, dropout_key)
-        plain = jax.lax.stop_gradient(plain.mean())
-        return sharp.mean(), {"train/mlm_loss": plain, "train/sam_sharpness": sharp.mean() - plain}
+            G = cfg.ascent_groups
+            groups = jax.tree.map(lambda x: x.reshape(G, -1, *x.shape[1:]), data)
+            # each group its own dropout key: one key for all would drop the same units in every group (the mask
+            # is hashed from the key and the position within the group), correlating the batch's dropout noise
+            keys = None if dropout_key is None else jax.random.split(dropout_key, G)
+            sharp_G, plain_G = jax.vmap(perturbed, in_axes=(None, 0, None, None if keys is None else 0))(
+                params, groups, apply_fn, keys)
+            # the groups' losses weighted by their predictions, as the batch's MLM loss weights its positions
+            # (equal weights only under one prediction per sentence)
+            w_G = groups["weights"].reshape(G, -1).sum(-1).astype(jnp.float32)
+            mean = lambda x_G: jnp.sum(w_G * x_G) / jnp.maximum(w_G.sum(), 1.0)
+            sharp, plain = mean(sharp_G), mean(plain_G)
+        plain = jax.lax.stop_gradient(plain)
+        return sharp, {"train/mlm_loss": plain, "train/sam_sharpness": sharp - plain}
 
     return objective
 
@@ -193,17 +207,22 @@ def _score_setup(batch, key):
 
 
 def fisher_penalty(params, batch, apply_fn, key, probes: int, blocks: str = ALL) -> jax.Array:
-    """Unbiased estimate of the model Fisher trace of the batch's mean MLM loss, (1/n) sum_i E_y ||g_i(y)||^2 with
-    g_i(y) = grad log p(y | x_i) over the n weighted positions: y drawn from the model (stop-gradient), then the mean
-    over `probes` Rademacher sign vectors eps of ||grad sum_i eps_i log p(y_i | x_i)||^2 / n (cross terms vanish).
+    """Unbiased estimate of the model Fisher trace of the batch's mean MLM loss, (1/n) sum_i w_i E_y ||g_i(y)||^2
+    with g_i(y) = grad log p(y | x_i) over the weighted positions (weights w_i, n their sum; 0/1 from the pipeline):
+    y drawn from the model (stop-gradient), then the mean over `probes` Rademacher sign vectors eps of
+    ||grad sum_i eps_i sqrt(w_i) log p(y_i | x_i)||^2 / n (cross terms vanish).
     Its gradient is 2 H_s g / n (H_s the Hessian of the signed score, g its gradient), formed forward-over-reverse
-    (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (d128 x 2L, batch 64, CPU). With `blocks`
-    the norms are over those blocks' parameters only: the Fisher trace of their diagonal block. Dropout off."""
+    (`_score_norm`): 2.7 gradients instead of 3.5 for reverse-over-reverse (d128 x 2L, batch 64, CPU). That is the
+    gradient with the drawn labels held fixed (the Fisher penalty of Jastrzebski et al. 2021, "Catastrophic Fisher
+    explosion"), not the gradient of Tr(F): the labels' dependence on the params, E_y[||g(y)||^2 grad log p(y)], is
+    left out (an audit on a tiny BERT: the two gradients at cosine 0.87). The value is unbiased for Tr(F). With
+    `blocks` the norms are over those blocks' parameters only: the Fisher trace of their diagonal block. Dropout
+    off."""
     mask = tuple(block_mask(params, blocks))
     weights, n, k_y, k_eps = _score_setup(batch, key)
 
     def one(k):
-        eps = jax.random.rademacher(k, weights.shape, jnp.float32) * weights
+        eps = jax.random.rademacher(k, weights.shape, jnp.float32) * jnp.sqrt(weights)
         return _score_norm(apply_fn, mask, params, eps, k_y, _data(batch), None)
 
     return _probe_sum(one, jax.random.split(k_eps, probes)) / (n * probes)
@@ -256,7 +275,8 @@ def fisher_penalized_loss(params, batch, apply_fn, dropout_key, gamma: float, pr
     first output only (the caller stops the others)."""
     mask = tuple(block_mask(params, blocks))
     weights, n, k_y, k_eps = _score_setup(batch, batch["rng"])
-    signs = [jax.random.rademacher(k, weights.shape, jnp.float32) * weights for k in jax.random.split(k_eps, probes)]
+    signs = [jax.random.rademacher(k, weights.shape, jnp.float32) * jnp.sqrt(weights)
+             for k in jax.random.split(k_eps, probes)]
     data = _data(batch)
     total, loss, first = _loss_plus_score_norm(apply_fn, mask, params, gamma / (n * probes), signs[0], k_y, data,
                                                dropout_key)

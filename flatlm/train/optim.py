@@ -41,7 +41,13 @@ def optimizer(train) -> optax.GradientTransformation:
     if train.optimizer == "adamw":
         opt = optax.adamw(lr, b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay,
                           mask=_decay_mask)
-    elif train.optimizer == "sgd":
+    elif train.optimizer == "sgd" and train.weight_decay and train.momentum:
+        # decoupled (SGDW, Loshchilov & Hutter 2019): the decay outside the momentum buffer, which otherwise
+        # accumulates it (plain L2): w -= lr * (m + wd * w), m the momentum of the gradients alone
+        opt = optax.chain(optax.trace(decay=train.momentum),
+                          optax.add_decayed_weights(train.weight_decay, mask=_decay_mask),
+                          optax.scale_by_learning_rate(lr))
+    elif train.optimizer == "sgd":  # without momentum the order does not matter: w -= lr * (g + wd * w)
         opt = optax.sgd(lr, momentum=train.momentum or None)
         if train.weight_decay:
             opt = optax.chain(optax.add_decayed_weights(train.weight_decay, mask=_decay_mask), opt)
