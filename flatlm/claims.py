@@ -22,6 +22,8 @@ import math
 import numpy as np
 from scipy import stats
 
+from flatlm.errors import UserError
+
 MAX_KL = 0.02  # nats: "near-optimal" pre-training loss
 MIN_LOSS_GAP = 0.005  # nats: the smallest loss difference that counts as "different"
 CONFIDENCE = 0.95
@@ -45,7 +47,13 @@ class SameLoss:
 
 
 def same_loss(a: dict, b: dict) -> SameLoss:
-    """`a`, `b`: exact-loss results with `loss`, `kl` and `loss_std` (std over the evaluation's subsets)."""
+    """`a`, `b`: exact-loss results with `loss`, `kl` and `loss_std` (std over the evaluation's subsets), over the
+    same `average` of (sentence, position) pairs (a result without one is taken as the "token" default): a token
+    average beside a sentence average is two functionals, and the check refuses it."""
+    avg_a, avg_b = a.get("average", "token"), b.get("average", "token")
+    if avg_a != avg_b:
+        raise UserError(f"exact losses over different averages ({avg_a!r} vs {avg_b!r}) are not comparable; "
+                        "evaluate both with the same eval.loss_average")
     gap = abs(float(a["loss"]) - float(b["loss"]))
     tolerance = max(MIN_LOSS_GAP, 2.0 * max(float(a.get("loss_std", 0.0)), float(b.get("loss_std", 0.0))))
     kl = (float(a["kl"]), float(b["kl"]))

@@ -20,6 +20,12 @@ def test_same_loss_band_uses_both_the_kl_bound_and_the_tolerance():
     assert claims.same_loss(_loss(2.000, 0.010, std=0.004), _loss(2.006, 0.015)).ok  # tolerance 2 x 0.004
     assert not claims.same_loss(_loss(2.000, 0.010), _loss(2.000, 0.021)).ok  # KL above 0.02
     assert "NOT the same loss" in claims.same_loss(_loss(2.0, 0.03), _loss(2.0, 0.01)).describe()
+    # two functionals are never compared (a result without `average` is the default token one)
+    sentence = {**_loss(2.0, 0.01), "average": "sentence"}
+    assert claims.same_loss(sentence, dict(sentence)).ok and claims.same_loss(_loss(2.0, 0.01),
+                                                                             {**sentence, "average": "token"}).ok
+    with pytest.raises(claims.UserError, match="different averages"):
+        claims.same_loss(_loss(2.0, 0.01), sentence)
 
 
 def test_near_optimal_is_the_band_alone_with_the_kl_as_the_gap():

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flatness_tiny import fast_compile, mlm_batch, tiny_bert
+from scipy import stats
 
 from flatlm.flatness import compare
 from flatlm.flatness.estimates import paired_difference, summarize
@@ -74,6 +75,9 @@ def test_gap_report_pairs_the_batches(bert):
         assert len(d) == 3 and rep["hessian_minus_fisher_error"] == "paired"
         assert rep["hessian_minus_fisher"] == pytest.approx(h.mean - f.mean, rel=1e-12)
         assert rep["hessian_minus_fisher_stderr"] == pytest.approx(d.std(ddof=1) / math.sqrt(3), rel=1e-9)
+        z = rep["hessian_minus_fisher_z"]  # 3 batches: 2 degrees of freedom, Student's t
+        assert rep["hessian_minus_fisher_dof"] == 2
+        assert rep["hessian_minus_fisher_p"] == pytest.approx(2 * stats.t.sf(abs(z), 2), rel=1e-12)
         assert "batch_means" not in rep["hessian"]  # in memory only: stored results keep their size
         for method in ("hutchpp", "xtrace"):
             est = compare.measure(method, model.apply, params, batches, key, num_probes=6)

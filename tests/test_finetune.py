@@ -56,6 +56,19 @@ def test_finetune_moves_the_encoder():
     # (the probe's side: tests/test_probe.py::test_probe_checkpoint_leaves_params_untouched)
 
 
+def test_finetune_decays_matrices_only():
+    """HF's no_decay (biases, LayerNorm) by shape and name: every vector of the BERT classifier is spared, the MLP
+    biases `bi`, `bo` and the classifier's `b` included (a name test decayed them, an audit found)."""
+    model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=1))
+    params = {"encoder": _init(model, T), "head": {"w": jnp.zeros((16, 3)), "b": jnp.zeros(3)}}
+    mask = ft._decay_mask(params)
+    for (path, x), (_, decays) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                      jax.tree_util.tree_leaves_with_path(mask)):
+        is_bias = "bias" in str(path[-1].key)  # the fused qkv_bias[3, H, Dh] is a bias whatever its rank
+        assert decays == (x.ndim >= 2 and not is_bias), jax.tree_util.keystr(path)
+    assert not mask["head"]["b"] and mask["head"]["w"]
+
+
 def test_finetune_needs_room_for_cls():
     model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=1))
     tok, y = _data(16)

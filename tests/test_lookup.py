@@ -44,6 +44,9 @@ def test_lookup_features_with_words_append_the_one_hot_words_inside_each_sentenc
         for t in range(lengths[n]):
             words[n, t, corpus.tokens[n, t]] = 1.0
     np.testing.assert_allclose(x, np.concatenate([q, words.reshape(7, 30)], axis=1), atol=1e-6)
+    # task corpora pad beyond the length with the pad id (= the vocabulary size): an IndexError before (audit)
+    padded = np.where(np.arange(5)[None, :] < lengths[:, None], corpus.tokens, 6)
+    np.testing.assert_array_equal(lookup.one_hot_words(padded, lengths, 6), words.reshape(7, 30))
 
 
 def test_lookup_reaches_bayes_rate_when_emissions_identify_states():

@@ -8,11 +8,16 @@ sentences (as in the paper).
 
 Two averages over (x, t), named in every result as `average`:
   "token" (flatlm's default): sum over all masked positions / number of positions, so long sentences weigh more;
-      this is the loss of masking one position drawn uniformly from the corpus's tokens.
+      this is the loss of masking one position drawn uniformly from the corpus's tokens, the functional that
+      training with `data.masking=bert` estimates (every token masked independently).
   "sentence" (the paper's E_{x,t}, Section 3.1: t uniform in [T] per sentence): mean over a sentence's positions,
-      then mean over sentences. For fixed-length languages (HMM) the two are equal; for the PCFG they differ.
-flatlm keeps "token" as the default because its training loss (mlm_loss) is token-weighted, so the exact loss
-and the training objective are the same functional; eval.loss_average=sentence reports the paper's.
+      then mean over sentences; the functional that training with the default `data.masking=single` estimates (one
+      position per sentence, a mean over sentences). For fixed-length languages (HMM, Dyck) the two are equal; for
+      the PCFG they differ.
+The default is "token" for continuity with the results flatlm has recorded, not because it is the training
+functional: an earlier version of this note said so, wrongly, for the default single masking (an audit measured
+mlm_loss under single masking at the sentence average). `paper` presets use "sentence"; results name their
+average and `claims.same_loss` refuses to compare two different ones.
 """
 
 from __future__ import annotations

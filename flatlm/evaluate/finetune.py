@@ -104,10 +104,12 @@ def _path_name(path) -> str:
 
 
 def _decay_mask(params):
-    """Weight decay on weights only: no decay on biases and LayerNorm scales (HF Trainer's no_decay)."""
-    def decays(path, _):
+    """Weight decay on weights only: no decay on biases and LayerNorm scales (HF Trainer's no_decay). By shape, as
+    the pre-training optimizer decides: matrices and embeddings decay, every vector does not (a name test let
+    BERT's MLP biases `bi`, `bo` and the classifier's `b` decay)."""
+    def decays(path, x):
         name = str(getattr(path[-1], "key", path[-1]))
-        return not ("bias" in name or name == "scale")
+        return len(getattr(x, "shape", ())) >= 2 and "bias" not in name
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

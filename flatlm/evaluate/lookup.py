@@ -74,7 +74,8 @@ def one_hot_words(tokens_NT, lengths_N, num_words: int) -> np.ndarray:
     sentence's length: what `lookup_features(with_words=True)` appends to the conditionals."""
     tokens_NT, lengths_N = np.asarray(tokens_NT), np.asarray(lengths_N)
     inside_NT = np.arange(tokens_NT.shape[1])[None, :] < lengths_N[:, None]
-    words_NTV = np.eye(num_words, dtype=np.float32)[tokens_NT] * inside_NT[..., None]
+    # beyond a sentence's length the token is the pad id (= num_words): read word 0 there, then zero it
+    words_NTV = np.eye(num_words, dtype=np.float32)[np.where(inside_NT, tokens_NT, 0)] * inside_NT[..., None]
     return words_NTV.reshape(len(tokens_NT), -1)
 
 

@@ -128,7 +128,9 @@ def gap_report(
     (saturation regime); `hessian_minus_fisher` with its stderr and z-score says how far from that a model is.
     Both traces see the same batches, so over several batches the gap's stderr is that of the per-batch
     differences (`estimates.paired_difference`; "hessian_minus_fisher_error" says which form was used): the data
-    noise the two share cancels instead of being counted twice.
+    noise the two share cancels instead of being counted twice. That error has B - 1 degrees of freedom
+    ("hessian_minus_fisher_dof"), so judge the gap by "hessian_minus_fisher_p" (two-sided, Student's t; normal for
+    one batch) rather than by `identity_within_3se`, which reads z as normal.
     """
     batches = batch_list(batches)
     k_h, k_f = jax.random.split(key)
@@ -138,7 +140,14 @@ def gap_report(
                    groups=groups)
     emp = measure("empirical_fisher", apply_fn, params, batches, k_f, groups=groups)
     loss = float(np.mean([float(jax.jit(_mlm_loss_fn(apply_fn))(params, b)) for b in batches]))
+    from scipy import stats  # here: the CLI imports this module at start-up
+
     gap, gap_se, paired = paired_difference(hess, fish)
+    z = gap / gap_se if gap_se > 0 else None
+    # the paired error is estimated from the batches' differences: B - 1 degrees of freedom (1 with two batches,
+    # where a z of 3 means little); the probe errors are from many samples (normal)
+    dof = hess.num_batches - 1 if paired == "paired" else None
+    p = None if z is None else float(2 * (stats.t.sf(abs(z), dof) if dof else stats.norm.sf(abs(z))))
     return {
         "loss": loss,
         "num_batches": len(batches),
@@ -147,8 +156,10 @@ def gap_report(
         "empirical_fisher": emp.to_dict(),
         "hessian_minus_fisher": gap,
         "hessian_minus_fisher_stderr": gap_se,
-        "hessian_minus_fisher_z": gap / gap_se if gap_se > 0 else None,
+        "hessian_minus_fisher_z": z,
         "hessian_minus_fisher_error": paired,
+        "hessian_minus_fisher_dof": dof,
+        "hessian_minus_fisher_p": p,
         "fisher_over_hessian": fish.mean / hess.mean if hess.mean != 0 else None,
         "empirical_over_fisher": emp.mean / fish.mean if fish.mean != 0 else None,
         "identity_within_3se": bool(abs(gap) <= 3 * gap_se),

@@ -64,6 +64,9 @@ def measure_run(run: Run, steps: list[int] | None = None, method: str = "fisher"
         steps = list(run.steps) if steps is None else list(steps)
         batches = (run.train_batches(num_batches, batch_size) if split == "train" else
                    run.mlm_batches(num_batches, batch_size, seed=seed))
+        if len(batches) < num_batches:
+            print(f"warning: the {split} split holds {len(batches)} batch(es) of {batch_size} sentences, not the "
+                  f"{num_batches} asked for; measuring on those", file=sys.stderr)
         kw = dict(num_probes=num_probes or 64, num_draws=draws, fisher_form=fisher_form, chunk_size=chunk_size,
                   groups=groups)
         # the batches every entry is measured on (split absent for the default, as in entries written before it)
