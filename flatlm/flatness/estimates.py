@@ -166,7 +166,9 @@ def paired_difference(a: TraceEstimate, b: TraceEstimate) -> tuple[float, float,
     "paired": both have per-batch means over the same number (> 1) of batches; the error is the spread of the
       per-batch differences / sqrt(B), which keeps the data noise the two share out of the difference (two
       curvature traces on the same batches move together: adding their errors as if independent overstates the
-      difference's error, 1.8x in an audit of Tr(H) - Tr(F));
+      difference's error, 1.8x in an audit of Tr(H) - Tr(F)). It has B - 1 degrees of freedom, so it is floored
+      at the probes' error of the difference (well estimated from many samples): with two batches the spread of
+      two differences once came out at 1 % of it;
     "probes": both on one batch; the two estimators' randomness is independent given the batch, so the probe
       errors add in quadrature;
     "independent": otherwise (e.g. differing batch counts), sqrt(a.stderr^2 + b.stderr^2), conservative when the
@@ -176,7 +178,10 @@ def paired_difference(a: TraceEstimate, b: TraceEstimate) -> tuple[float, float,
     B = a.num_batches
     if B > 1 and b.num_batches == B and len(a.batch_means) == len(b.batch_means) == B:
         d = np.asarray(a.batch_means, np.float64) - np.asarray(b.batch_means, np.float64)
-        return gap, float(d.std(ddof=1) / math.sqrt(B)), "paired"
+        se = float(d.std(ddof=1) / math.sqrt(B))
+        if a.probe_stderr is not None and b.probe_stderr is not None:  # never below the probes' own noise, which
+            se = max(se, math.hypot(a.probe_stderr, b.probe_stderr))  # many samples estimate well (2 batches: 1 dof)
+        return gap, se, "paired"
     if B == 1 and b.num_batches == 1:
         sa = a.probe_stderr if a.probe_stderr is not None else a.stderr
         sb = b.probe_stderr if b.probe_stderr is not None else b.stderr
