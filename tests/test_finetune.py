@@ -61,7 +61,7 @@ def test_finetune_decays_matrices_only():
     biases `bi`, `bo` and the classifier's `b` included (a name test decayed them, an audit found)."""
     model = Bert(BertConfig(num_words=V, max_len=T, d_model=16, num_layers=1))
     params = {"encoder": _init(model, T), "head": {"w": jnp.zeros((16, 3)), "b": jnp.zeros(3)}}
-    mask = ft._decay_mask(params)
+    mask = ft.decay_mask(params)
     for (path, x), (_, decays) in zip(jax.tree_util.tree_leaves_with_path(params),
                                       jax.tree_util.tree_leaves_with_path(mask)):
         is_bias = "bias" in str(path[-1].key)  # the fused qkv_bias[3, H, Dh] is a bias whatever its rank

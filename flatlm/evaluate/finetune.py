@@ -38,6 +38,7 @@ from flatlm.errors import UserError
 from flatlm.evaluate.features import ApplyFn
 from flatlm.evaluate.heads import chunks, epoch_indices, infer_num_classes, masked_ce, summarize, warmup_linear_decay
 from flatlm.languages.base import special_ids
+from flatlm.models.blocks import decay_mask
 from flatlm.sharding import keep_layout, layout, one_at_a_time, replicate_like
 
 
@@ -103,16 +104,6 @@ def _path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def _decay_mask(params):
-    """Weight decay on weights only: no decay on biases and LayerNorm scales (HF Trainer's no_decay). By shape, as
-    the pre-training optimizer decides: matrices and embeddings decay, every vector does not (a name test let
-    BERT's MLP biases `bi`, `bo` and the classifier's `b` decay)."""
-    def decays(path, x):
-        name = str(getattr(path[-1], "key", path[-1]))
-        return len(getattr(x, "shape", ())) >= 2 and "bias" not in name
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
 def unused_leaves(fn, params) -> list[str]:
     """Names ("a/b/c") of the leaves of `params` that fn(params)'s output does not depend on.
 
@@ -135,7 +126,7 @@ def _finetune_optimizer(c: FinetuneConfig, n: int, frozen: tuple[str, ...], lr) 
     steps = -(-n // min(c.batch_size, n))
     schedule = warmup_linear_decay(lr, c.warmup_steps, steps * c.epochs, c.end_learning_rate)
     is_frozen = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: _path_name(p) in frozen, params)
-    parts = [optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=c.weight_decay, mask=_decay_mask),
+    parts = [optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=c.weight_decay, mask=decay_mask),
              optax.masked(optax.set_to_zero(), is_frozen)]
     if c.max_grad_norm > 0:
         parts.insert(0, optax.clip_by_global_norm(c.max_grad_norm))

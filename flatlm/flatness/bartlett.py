@@ -81,7 +81,7 @@ def _hessian_trace(loss_fn, params, batches, key, method: str, num_probes: int) 
     est = hutchinson_trace(loss_fn, params, key, num_probes, batches=batches, chunk_size=min(8, num_probes))
     # the error of the trace over exactly these batches (the Fisher is measured on the same ones): the probes'
     # alone; `stderr` over several batches also counts their spread as data (~2.7x too wide, an audit measured)
-    return est.mean, est.probe_stderr if est.probe_stderr is not None else est.stderr
+    return est.mean, est.given_data_stderr
 
 
 def bartlett_check(apply_fn: ApplyFn, params, batches: Batch | Iterable[Batch], key: jax.Array, *,
@@ -111,7 +111,7 @@ def bartlett_check(apply_fn: ApplyFn, params, batches: Batch | Iterable[Batch], 
     else:
         est = fisher_trace(apply_fn, params, bs, jax.random.fold_in(key, 10**7), num_draws=fisher_draws)
         # the error of Tr(F) over exactly these contexts (the Hessians are taken on them too): the draws' alone
-        fisher_mean, fisher_se = est.mean, est.probe_stderr if est.probe_stderr is not None else est.stderr
+        fisher_mean, fisher_se = est.mean, est.given_data_stderr
     out: dict[str, Any] = {"fisher": fisher_mean, "fisher_stderr": fisher_se, "hessian_method": hessian}
     ce = _loss_fn(apply_fn, "ce")
 

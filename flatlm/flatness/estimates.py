@@ -70,6 +70,12 @@ class TraceEstimate:
     trace_sq_stderr: float | None = None
     batch_means: tuple[float, ...] = ()
 
+    @property
+    def given_data_stderr(self) -> float:
+        """The error of the trace over exactly these batches (another estimate on the same data shares their
+        noise): `probe_stderr` where it could be estimated, else `stderr`."""
+        return self.probe_stderr if self.probe_stderr is not None else self.stderr
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (NaN becomes None)."""
         clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
@@ -183,9 +189,7 @@ def paired_difference(a: TraceEstimate, b: TraceEstimate) -> tuple[float, float,
             se = max(se, math.hypot(a.probe_stderr, b.probe_stderr))  # many samples estimate well (2 batches: 1 dof)
         return gap, se, "paired"
     if B == 1 and b.num_batches == 1:
-        sa = a.probe_stderr if a.probe_stderr is not None else a.stderr
-        sb = b.probe_stderr if b.probe_stderr is not None else b.stderr
-        return gap, math.hypot(sa, sb), "probes"
+        return gap, math.hypot(a.given_data_stderr, b.given_data_stderr), "probes"
     return gap, math.hypot(a.stderr, b.stderr), "independent"
 
 

@@ -74,3 +74,16 @@ def block_mask(params, spec: str) -> list[bool]:
     if not any(mask):
         raise UserError(f"config.train.flat.blocks={spec!r} selects no parameter of this model")
     return mask
+
+
+def decay_mask(params):
+    """Weight decay's mask, BERT's and the HF Trainer's no_decay: True on weight matrices and embeddings; False on
+    biases (whatever their rank, e.g. the fused qkv_bias[3, H, Dh], and MLP / classifier biases named bi, bo, b:
+    vectors) and LayerNorm scales. Read by name from the last dict key (a logical box's `.value` skipped)."""
+
+    def decays(path, p) -> bool:
+        keys = [str(k.key) for k in path if hasattr(k, "key")]
+        name = keys[-1].lower() if keys else ""
+        return len(getattr(p, "shape", ())) >= 2 and "bias" not in name
+
+    return jax.tree_util.tree_map_with_path(decays, params)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import jax
 import optax
+
+from flatlm.models.blocks import decay_mask
 
 
 def schedule(train) -> optax.Schedule:
@@ -23,34 +24,22 @@ def schedule(train) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, train.lr, warmup), after], [warmup])
 
 
-def _decay_mask(params):
-    """Weight decay on weight matrices and embeddings only: no biases (whatever their rank, e.g. the fused
-    qkv_bias[3, H, Dh]) and no LayerNorm scales, as in BERT."""
-
-    def decay(path, p) -> bool:
-        keys = [str(k.key) for k in path if hasattr(k, "key")]  # dict keys (skips a logical box's `.value`)
-        name = keys[-1].lower() if keys else ""
-        return len(getattr(p, "shape", ())) >= 2 and "bias" not in name
-
-    return jax.tree_util.tree_map_with_path(decay, params)
-
-
 def optimizer(train) -> optax.GradientTransformation:
     """The config's optimizer: AdamW (BERT's decay mask) or SGD (+ momentum, decoupled decay), on the schedule."""
     lr = schedule(train)
     if train.optimizer == "adamw":
         opt = optax.adamw(lr, b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay,
-                          mask=_decay_mask)
+                          mask=decay_mask)
     elif train.optimizer == "sgd" and train.weight_decay and train.momentum:
         # decoupled (SGDW, Loshchilov & Hutter 2019): the decay outside the momentum buffer, which otherwise
         # accumulates it (plain L2): w -= lr * (m + wd * w), m the momentum of the gradients alone
         opt = optax.chain(optax.trace(decay=train.momentum),
-                          optax.add_decayed_weights(train.weight_decay, mask=_decay_mask),
+                          optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
                           optax.scale_by_learning_rate(lr))
     elif train.optimizer == "sgd":  # without momentum the order does not matter: w -= lr * (g + wd * w)
         opt = optax.sgd(lr, momentum=train.momentum or None)
         if train.weight_decay:
-            opt = optax.chain(optax.add_decayed_weights(train.weight_decay, mask=_decay_mask), opt)
+            opt = optax.chain(optax.add_decayed_weights(train.weight_decay, mask=decay_mask), opt)
     else:
         raise ValueError(f"unknown optimizer {train.optimizer!r}")
     if train.grad_clip:
