@@ -84,6 +84,7 @@ def _exact(lang, model, params_by_name, n=256):
     return {name: exact_loss(model.apply, p, batches, num_subsets=2) for name, p in params_by_name.items()}
 
 
+@pytest.mark.slow  # the claim at tiny scale; make test: the C3 notebook's code, the meta-gradient tests
 def test_adversarial_objective_lowers_downstream_accuracy_at_the_same_pretraining_loss(request):
     """Tiny HMM (8 states, 16 words, length 8), Bert d_model 16, task k4: 300 plain steps, then 600 steps plain
     vs adversarial (lam 10, ridge 3, capped squared loss). Asserted: the accuracy of a closed-form head on

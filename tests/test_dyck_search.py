@@ -27,6 +27,7 @@ def _check_search(out, T, m):
             assert r["trace"] >= bound * (1 - 1e-9)  # Lemma D.1: no zero-loss solution is flatter
 
 
+@pytest.mark.slow  # make test: the success probability against brute force
 def test_search_reaches_the_closed_form_minimum_m4():
     """T = 6, m = 4, 2 starts of a short schedule: Tr(H) (dense jax.hessian at the end) within 1e-3 of 4/(m sqrt T),
     and every solution at the minimum has uniform attention, V's rows along +-1_T and zero downstream loss from 8

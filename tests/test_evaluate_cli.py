@@ -79,6 +79,7 @@ def test_bad_steps_and_workdirs_are_user_errors(tmp_path, trained, capsys):
     assert code == 2 and len(err) == 1 and "task-1 .. task-8" in err[0], err
 
 
+@pytest.mark.slow  # make test: test_finetune's grid and from-init
 def test_eval_overrides_choose_the_rate_and_fine_tune_the_initialisation(trained):
     """A new fine-tuning protocol on a trained run: the rate chosen on validation and the "no pre-training"
     control, whose input must be exactly the weights training started from (rebuilt here by the train loop's

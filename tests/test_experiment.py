@@ -234,6 +234,7 @@ def _eval_losses(run_dir):
     return [(r["step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
 
 
+@pytest.mark.slow  # make test: reproduce --jobs's queue
 def test_jobs_train_runs_side_by_side_and_a_failed_one_stops_the_command(tmp_path):
     """`--jobs 2`: each run in a child process (output in runs/NAME/experiment.log); a run that dies (SIGKILL at step
     15) fails the command with exit 1 naming it, its exit code and log, while the other run finishes; the rerun

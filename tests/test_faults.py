@@ -69,6 +69,7 @@ def test_sigterm_during_train_exits_143_and_the_rerun_resumes_bit_identical(tmp_
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # make test: SIGTERM during train
 def test_sigterm_during_an_experiment_never_marks_the_run_done(tmp_path, data_dir):
     cfg = tmp_path / "toy.py"
     write_toy_experiment(cfg, data_dir, [("a", []), ("b", ["--config.train.lr=0.002"])], eval_every=20)
@@ -142,6 +143,7 @@ def test_bad_paths_and_files_are_one_line(tmp_path, capsys, finished):
     assert (damaged / "results.json").read_text() == '{"results": [{"kind": "exact_loss", "st'
 
 
+@pytest.mark.slow  # make test: test_evaluate_cli's fine-tuning entries
 def test_evaluate_last_without_probe_fine_tunes(finished, capsys):
     """`evaluate --steps last --no-probe` used to crash with KeyError: the fine-tuning data was never loaded."""
     code, err = _main(["evaluate", "--workdir", finished, "--steps", "last", "--no-probe", "--quiet", "--json"],

@@ -111,7 +111,12 @@ def _assert_moved_aside(workdir: Path, step: int = 20) -> None:
 DAMAGE_LINE = r"flatlm: checkpoint 20 is damaged \((?P<why>.+)\); moved to (?P<dest>\S+); resuming from step 15"
 
 
-@pytest.mark.parametrize("damage", DAMAGES)
+# Every damage is detected in make test (test_evaluators_skip_a_damaged_checkpoint); resuming past it, two of them.
+RESUME_DAMAGES = [d if d in ("truncate_data_file", "delete_state_metadata") else pytest.param(d, marks=pytest.mark.slow)
+                  for d in DAMAGES]
+
+
+@pytest.mark.parametrize("damage", RESUME_DAMAGES)
 def test_resume_skips_a_damaged_latest_checkpoint(trained, straight_params, tmp_path, damage):
     workdir = _damaged_copy(trained, tmp_path, damage)
     proc = _train(workdir, trained[1])

@@ -208,6 +208,7 @@ def test_leftovers_of_a_killed_build_are_removed(tmp_path, tiny_config):
 
 # --- resumed runs --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # make test: train's SIGKILL resume
 def test_metrics_have_one_row_per_step_after_sigkill_and_resume(tmp_path):
     wd = tmp_path / "run"
     args = ["train", "--config", TINY, "--workdir", str(wd), "--quiet", "--config.train.steps=20",
@@ -227,6 +228,7 @@ def test_metrics_have_one_row_per_step_after_sigkill_and_resume(tmp_path):
     assert len(list((wd / "tensorboard").glob("events.out.tfevents.*"))) == 2  # the resumed one purges from 11
 
 
+@pytest.mark.slow  # make test: test_experiment's SIGKILL resume
 def test_a_resumed_experiment_redoes_a_cut_evaluation_without_duplicates(tmp_path):
     """A kill between step 20's last-layer probe and its `eval.probe.layers` probe: the resumed experiment redoes
     step 20's evaluation (it once counted a step with a probe entry as evaluated, and marked the run done without

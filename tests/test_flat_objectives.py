@@ -274,22 +274,25 @@ def _fisher_reference(params, apply_fn, tokens, key, w, probes, encoder_only, **
     library's draws (labels from the forward's own logits with the first half of `key`, one sign vector per probe
     from the second); `run`: the apply function's keywords (positions, dropout)."""
     k_y, k_eps = jax.random.split(key)
-    out = []
-    for k in jax.random.split(k_eps, probes):
+
+    def one(k):  # one probe; mapped over the probes' keys (lax.map: one probe's program compiled, not `probes`)
         eps = jax.random.rademacher(k, w.shape, jnp.float32) * jnp.sqrt(w)
 
-        def signed(q, eps=eps):
+        def signed(q):
             logp = jax.nn.log_softmax(apply_fn({"params": q}, tokens, **run), axis=-1)
             y = sample_labels(k_y, jax.lax.stop_gradient(logp))
             return jnp.sum(eps * jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0])
 
         g = jax.grad(signed)(params)
         g = _without_head(g) if encoder_only else g
-        out.append(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum())
-    return jnp.mean(jnp.stack(out))
+        return sum(jnp.sum(x * x) for x in jax.tree.leaves(g)) / w.sum()
+
+    return jnp.mean(jax.lax.map(one, jax.random.split(k_eps, probes)))
 
 
-@pytest.mark.parametrize("at_positions", [False, True], ids=["head-everywhere", "head-at-positions"])
+# head everywhere: in make test through the penalty-on-the-loss test below (blocks "all", with dropout)
+@pytest.mark.parametrize("at_positions", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["head-everywhere", "head-at-positions"])
 def test_fisher_penalty_gradient_equals_reverse_over_reverse(tiny, at_positions):
     """The penalty's custom VJP (2 H_s g / n by one linearisation) against jax.grad of the plain formula, written
     out here with the same draws (labels from the forward's own logits, one sign vector per probe); with the head

@@ -42,7 +42,7 @@ def test_microbatch_slices_are_strided_rows():
         microbatch(x, 4)
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_accumulated_gradient_is_the_whole_batchs(setup, k):
     """Slices hold different numbers of masked tokens (one none): the loss and gradient must still be the whole
     batch's weighted mean, not the mean of the slices' means."""

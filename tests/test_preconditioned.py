@@ -16,6 +16,7 @@ SMALL = ["--config.model.d_model=8", "--config.train.steps=20", "--config.checkp
          "--config.train.eval_every=20", "--config.model.dropout=0.0", "--config.model.attention_dropout=0.0"]
 
 
+@pytest.mark.slow  # make test: test_spectrum's P^-1 H against eigh
 def test_preconditioned_sharpness_of_an_adamw_run_is_the_dense_top_eigenvalue(tmp_path):
     from jax.flatten_util import ravel_pytree
 

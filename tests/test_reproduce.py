@@ -357,7 +357,7 @@ def test_reproduce_refuses_a_job_count_below_one_before_writing_anything(tmp_pat
 
 
 
-@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])  # jobs 2: in the queue test above
 def test_reproduce_seeds_trains_every_experiment_over_the_given_seeds_and_the_workdir_keeps_them(
         tmp_path, monkeypatch, jobs):
     """`run_suite(seeds=(5,))` on an experiment whose preset repeats its runs over seeds 0, 1: only a-seed5 trains

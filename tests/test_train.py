@@ -129,6 +129,7 @@ def test_train_step_is_the_same_on_1_and_8_devices(tmp_path):
     assert ['[{"data"}, {}, {}]', "32x8x128xf32"] in multi["8x1-dp"]["constraints"]
 
 
+@pytest.mark.slow  # make test: the plain step on 8 devices, the penalty against autodiff
 def test_trace_penalty_step_is_the_same_on_1_and_8_devices(tmp_path):
     """The Fisher trace penalty's custom VJPs (the pass shared with the loss, and a second probe apart) under a
     data x model mesh: the same loss, gradient norm and parameters as on one device, and not the plain step's."""
@@ -172,6 +173,7 @@ def test_sigkill_then_resume_gives_identical_parameters(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # make test: test_faults_checkpoints' non-finite loss
 def test_non_finite_loss_stops_with_a_message_and_keeps_the_checkpoint(tmp_path):
     args = ["train", "--config", TINY, "--workdir", str(tmp_path), "--quiet", "--config.train.steps=30",
             "--config.checkpoint.every=10", "--config.train.eval_every=30"]
