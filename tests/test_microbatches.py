@@ -123,6 +123,7 @@ def test_microbatches_cut_the_steps_temporary_memory(setup):
     assert temp[4] < 0.5 * temp[1], temp
 
 
+@pytest.mark.slow  # make test: test_train_steps_with_and_without_microbatches_agree
 def test_a_run_with_microbatches_logs_the_unsplit_runs_losses(tmp_path):
     """`flatlm train` end to end (tiny HMM, dropout off, SGD): the same training losses with 1 and 4 slices."""
     tiny = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
