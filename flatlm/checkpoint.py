@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 import grain
 import jax
@@ -180,14 +181,31 @@ def _verified(workdir, step: int, load, skip: str | None = None):
 
 
 class _DropAbandonedOrbaxTasks(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" records about orbax's own tasks: when one read of a
-    damaged checkpoint fails, orbax raises the first error and its sibling reads' failed tasks are logged by asyncio
-    whenever they are collected (seen in CI: a second traceback on stderr beside the one-line report)."""
+    """Drops asyncio's "Task / _GatheringFuture exception was never retrieved" records about orbax's own reads: when
+    one read of a damaged checkpoint fails, orbax raises the first error and its sibling reads' failed tasks (and the
+    gather futures around them) are logged by asyncio whenever they are collected (seen in CI: a second traceback on
+    stderr beside the one-line report). A task names its coroutine's file; a gather future only its exception, so
+    that exception's traceback is read too."""
 
     def filter(self, record):
-        """logging's hook: False (drop) for an unretrieved exception of a task defined in orbax."""
+        """logging's hook: False (drop) for an unretrieved exception of a task or future of orbax's."""
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
+        if "exception was never retrieved" not in message.split("\n", 1)[0]:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (f"{os.sep}orbax{os.sep}" in message or _raised_in_orbax(exc))
+
+
+def _raised_in_orbax(exc: BaseException | None) -> bool:
+    """Whether a frame of `exc`'s traceback, or of its causes', is in a file inside orbax."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        if any(f"{os.sep}orbax{os.sep}" in f for f in files):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 _DROP_ABANDONED_ORBAX_TASKS = _DropAbandonedOrbaxTasks()
