@@ -193,7 +193,7 @@ class _DropAbandonedOrbaxTasks(logging.Filter):
         if "exception was never retrieved" not in message.split("\n", 1)[0]:
             return True
         exc = record.exc_info[1] if record.exc_info else None
-        return not (f"{os.sep}orbax{os.sep}" in message or _raised_in_orbax(exc))
+        return not (_ORBAX_DIR in message or _raised_in_orbax(exc))
 
 
 def _raised_in_orbax(exc: BaseException | None) -> bool:
@@ -201,14 +201,14 @@ def _raised_in_orbax(exc: BaseException | None) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
-        if any(f"{os.sep}orbax{os.sep}" in f for f in files):
+        if any(_ORBAX_DIR in frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
 
 
 _DROP_ABANDONED_ORBAX_TASKS = _DropAbandonedOrbaxTasks()
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"  # in a path: a file of orbax's (its coroutines, frames, task reprs)
 
 
 @contextlib.contextmanager
@@ -244,7 +244,7 @@ def _quiet_if_abandoned():
 def _orbax_coroutine(obj) -> bool:
     """Whether `obj` is a coroutine defined inside orbax (one of a failed read's or write's pending operations)."""
     code = getattr(obj, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    return code is not None and _ORBAX_DIR in code.co_filename
 
 
 class _DropDiskFullLogs(logging.Filter):
