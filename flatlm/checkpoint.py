@@ -180,6 +180,9 @@ def _verified(workdir, step: int, load, skip: str | None = None):
     raise DamagedCheckpoint(step, reason, move_aside(workdir, step))
 
 
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"  # in a path: a file of orbax's (its coroutines, frames, task reprs)
+
+
 class _DropAbandonedOrbaxTasks(logging.Filter):
     """Drops asyncio's "Task / _GatheringFuture exception was never retrieved" records about orbax's own reads: when
     one read of a damaged checkpoint fails, orbax raises the first error and its sibling reads' failed tasks (and the
@@ -208,7 +211,6 @@ def _raised_in_orbax(exc: BaseException | None) -> bool:
 
 
 _DROP_ABANDONED_ORBAX_TASKS = _DropAbandonedOrbaxTasks()
-_ORBAX_DIR = f"{os.sep}orbax{os.sep}"  # in a path: a file of orbax's (its coroutines, frames, task reprs)
 
 
 @contextlib.contextmanager
