@@ -232,6 +232,11 @@ def main(argv=None) -> dict:
            "products": prod, "error_vs_budget": err, "lanczos": lan, "steps": steps, "rank": rk,
            "goals": {k: {"value": v, "goal": GOALS[k], "met": bool(v <= GOALS[k] if k != "rank_overhead"
                                                                     else v < GOALS[k])} for k, v in goals.items()}}
+    # the step ratios' FLOP floors: a goal below its floor is met only if the step runs its FLOPs faster than the
+    # plain step does (the default penalty at dropout > 0: ~3.94x, above its 3.5x goal; see RESULTS.md)
+    for k, case in (("sam_ratio", "sam"), ("trace_penalty_ratio", "trace_penalty fisher, 1 probe"),
+                    ("trace_penalty_shared_pass_ratio", "same, score on the loss's pass")):
+        out["goals"][k]["flops_floor"] = steps["flops_ratio"][case]
     if a.json:
         print(json.dumps(out))
         return out
@@ -271,8 +276,10 @@ def main(argv=None) -> dict:
           f"{100 * rk['overhead']:.2f} % of the training time")
     print("\ngoals")
     for k, g in out["goals"].items():
+        floor = g.get("flops_floor")
+        note = "" if floor is None else f"  (FLOP floor {floor:.2f}x{', above the goal' if floor > g['goal'] else ''})"
         print(f"   {k:<32} {g['value']:8.3g}  goal {'<' if k == 'rank_overhead' else '<='} {g['goal']:<5} "
-              f"{'met' if g['met'] else 'MISSED'}")
+              f"{'met' if g['met'] else 'MISSED'}{note}")
     return out
 
 

@@ -23,7 +23,7 @@ TOY: dict[str, tuple[list[str], str]] = {
                              "--steps", "1"], "goal: adversarial"),
     "compiles.py": ([], "s compiling"),
     "curvature.py": (["--d-model", "32", "--layers", "1", "--batch", "8", "--exact-d-model", "8", "--budgets", "4,8",
-                      "--repeats", "2", "--rounds", "1"], "lanczos20_hvp_equivalents"),
+                      "--repeats", "2", "--rounds", "1"], "(FLOP floor"),
     "flatness_cost.py": (["--d-models", "32", "--layers", "1", "--batch", "8", "--repeats", "1"], "x one gradient"),
     "gpu.py": (["--small", "--no-hf", "--out", "{tmp}/gpu.json"], "device: "),
     "hmm_conditionals.py": (["--batch", "64", "--repeats", "1"], "max |conditionals - baseline|"),
