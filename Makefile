@@ -24,8 +24,9 @@ demo: $(STAMP)
 # --dist loadfile: each file's tests on one worker, so what they compile (same tiny shapes, file after file) is
 # compiled once per file, not once per worker: 1071 s of test time instead of 1230 s in two runs one after the other
 # (2 cores); 9:09-10:24 of wall over six runs with it, 10:36-12:05 over two without, on a slow machine that drifts.
+# FLATLM_TEST_XLA=O0: LLVM -O0 for a compile-bound selection (tests/conftest.py); test-all's training keeps -O1.
 test: $(STAMP)
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" --durations=15
+	FLATLM_TEST_XLA=$${FLATLM_TEST_XLA:-O0} $(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" --durations=15
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile --durations=25

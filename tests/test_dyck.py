@@ -103,7 +103,9 @@ def test_enumerated_expectations_match_monte_carlo(pops):
 # ------------------------------------------------------------------ Theorem 6.1
 
 
-@pytest.mark.parametrize("T", [6, 8, 10])
+# T = 8 only in make test-all: T = 6 checks the exact Tr(H), T = 10 the Gauss-Newton trace (its T = 8 exact trace
+# runs ~20 s with the suite's LLVM -O0)
+@pytest.mark.parametrize("T", [6, pytest.param(8, marks=pytest.mark.slow), 10])
 def test_solutions_fit_pretraining_and_only_the_flattest_transfers(pops, T):
     """Both solutions have zero pre-training loss; (1) has the smallest possible Tr(H) and zero downstream loss,
     (2) a strictly larger Tr(H) (even after per-neuron rebalancing) and a positive downstream loss."""
