@@ -22,10 +22,10 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 # choice, process-wide): about half of the suite's time was XLA compiling tiny programs, many of them op by op.
 # The whole suite, same machine: 8:20 and 8:24 of wall with XLA's defaults, 6:14 to 6:32 (three runs) with these.
 # `make test` sets FLATLM_TEST_XLA=O0 (LLVM -O0): its selection is compile-bound, and that took its 17:02 to 13:17
-# (31:39 -> 24:33 of CPU; Intel, 2026-11-29, benchmarks/RESULTS.md); the slow tests train for thousands of steps,
-# which -O0's code runs slower, so they keep -O1. Every test asserts against a reference with its own tolerance,
-# not against the default compiler's rounding; programs compiled with explicit options (ONE_SHOT's init, the PCFG
-# charts) keep them. Tests that are about the default build (or whose outcome hangs on its rounding) call
+# (31:39 -> 24:33 of CPU; Intel, 2026-11-29, benchmarks/RESULTS.md). The slow tests train for hundreds to thousands
+# of steps, which -O0's code runs slower, so they keep -O1. Every test asserts against a reference with its own
+# tolerance, not against the default compiler's rounding; programs compiled with explicit options (ONE_SHOT's init,
+# the PCFG charts) keep them. Tests that are about the default build (or whose outcome hangs on its rounding) call
 # `with_xla_defaults`, which runs them in a process of their own with XLA's defaults. FLATLM_TEST_XLA=default runs
 # the whole suite with XLA's defaults.
 # The caller's XLA_FLAGS, kept in the environment: xdist's workers inherit the controller's environment, lines below
@@ -33,15 +33,18 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 from flatlm.compile_options import ONE_SHOT  # noqa: E402 - after FLATLM_MALLOC, before any XLA backend starts
 
-TEST_XLA = os.environ.get("FLATLM_TEST_XLA", "fast")
-if TEST_XLA not in ("fast", "O0", "default"):
-    raise pytest.UsageError(f"FLATLM_TEST_XLA={TEST_XLA!r}: use fast (the default), O0 or default")
+TEST_XLA = os.environ.get("FLATLM_TEST_XLA", "fast")  # checked by pytest_configure below
 TEST_COMPILE = ONE_SHOT | ({"xla_backend_optimization_level": 0} if TEST_XLA == "O0" else {})
 FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in TEST_COMPILE.items())
 if TEST_XLA != "default":
     os.environ["XLA_FLAGS"] = f"{XLA_DEFAULT_FLAGS} {FAST_COMPILE_FLAGS}".strip()
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    if TEST_XLA not in ("fast", "O0", "default"):
+        raise pytest.UsageError(f"FLATLM_TEST_XLA={TEST_XLA!r}: use fast (the default), O0 or default")
 
 
 @pytest.fixture(scope="session", autouse=True)
