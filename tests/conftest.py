@@ -23,11 +23,11 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 # The whole suite, same machine: 8:20 and 8:24 of wall with XLA's defaults, 6:14 to 6:32 (three runs) with these.
 # `make test` sets FLATLM_TEST_XLA=O0 (LLVM -O0): its selection is compile-bound, and that took its 17:02 to 13:17
 # (31:39 -> 24:33 of CPU; Intel, 2026-11-29, benchmarks/RESULTS.md). The slow tests train for hundreds to thousands
-# of steps, which -O0's code runs slower, so they keep -O1. Every test asserts against a reference with its own
-# tolerance, not against the default compiler's rounding; programs compiled with explicit options (ONE_SHOT's init,
-# the PCFG charts) keep them. Tests that are about the default build (or whose outcome hangs on its rounding) call
-# `with_xla_defaults`, which runs them in a process of their own with XLA's defaults. FLATLM_TEST_XLA=default runs
-# the whole suite with XLA's defaults.
+# of steps, which -O0's code runs slower: `make test-all` and a plain `pytest` leave the variable unset (-O1).
+# Every test asserts against a reference with its own tolerance, not against the default compiler's rounding;
+# programs compiled with explicit options (ONE_SHOT's init, the PCFG charts) keep them. Tests that are about the
+# default build (or whose outcome hangs on its rounding) call `with_xla_defaults`, which runs them in a process of
+# their own with XLA's defaults. FLATLM_TEST_XLA=default runs the whole suite with XLA's defaults.
 # The caller's XLA_FLAGS, kept in the environment: xdist's workers inherit the controller's environment, lines below
 # included, and must not take its fast flags for the caller's.
 XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
