@@ -78,7 +78,7 @@ class _SampleRows(grain.transforms.Map):
         for block in range(first, (self.hi - 1) // self.block + 1):
             size = min(self.block, self.batch_size - block * self.block)
             seeds = np.random.SeedSequence([self.seed, int(index), block]).generate_state(2)
-            corpus = self.language.sample(size, seed=int(seeds[0]))
+            corpus = self.language.sample(size, seed=int(seeds[0]), latents=False)  # tokens and lengths only
             parts.append(mask_batch(corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32),
                                     rng=np.random.default_rng(int(seeds[1])), **self.mask_kw))
         rows = slice(self.lo - first * self.block, self.hi - first * self.block)

@@ -54,8 +54,9 @@ class Language(Protocol):
     vocab_size: int
     max_length: int
 
-    def sample(self, n: int, seed: int) -> Corpus:
-        """n sentences, deterministic in `seed`: tokens int32[n, T] (padded), lengths int32[n], latents."""
+    def sample(self, n: int, seed: int, latents: bool = True) -> Corpus:
+        """n sentences, deterministic in `seed`: tokens int32[n, T] (padded), lengths int32[n], latents (an empty
+        dict with `latents=False`, the same sentences: a PCFG then skips building its parse trees)."""
         ...
 
     def log_prob(self, tokens, lengths):

@@ -174,11 +174,12 @@ class Dyck:
         """T: every sentence has exactly T brackets."""
         return self.length
 
-    def sample(self, n: int, seed: int) -> Corpus:
-        """n uniform balanced-count strings; latents hold a masked position and mask sign per string."""
+    def sample(self, n: int, seed: int, latents: bool = True) -> Corpus:
+        """n uniform balanced-count strings; latents hold a masked position and mask sign per string ({} with
+        `latents=False`)."""
         b = pretrain_sample(self.length, n, seed)
         tokens = b["tokens"].astype(np.int32)
-        latents = {"mask_pos": b["mask_pos"], "mask_sign": b["mask_sign"]}
+        latents = {"mask_pos": b["mask_pos"], "mask_sign": b["mask_sign"]} if latents else {}
         return Corpus(tokens=tokens, lengths=np.full(n, self.length, np.int32), latents=latents)
 
     def log_prob(self, tokens, lengths) -> np.ndarray:

@@ -95,8 +95,9 @@ class HMM:
 
     # ---------------------------------------------------------------- sampling
 
-    def sample(self, n: int, seed: int) -> Corpus:
-        """Draws n sentences: tokens int32[n, T], lengths int32[n] (all T), latents {"states": int32[n, T]}.
+    def sample(self, n: int, seed: int, latents: bool = True) -> Corpus:
+        """Draws n sentences: tokens int32[n, T], lengths int32[n] (all T), latents {"states": int32[n, T]} ({}
+        with `latents=False`).
 
         Deterministic in (n, seed), and the first m sentences of `sample(n, seed)` equal `sample(m, seed)`.
         """
@@ -118,11 +119,7 @@ class HMM:
                     z_B = trans_sampler(z_B, u_B2T[:, 0, t])
                 states_NT[start:stop, t] = z_B
                 tokens_NT[start:stop, t] = emit_sampler(z_B, u_B2T[:, 1, t])
-        return Corpus(
-            tokens=tokens_NT,
-            lengths=np.full(n, T, dtype=np.int32),
-            latents={"states": states_NT},
-        )
+        return Corpus(tokens_NT, np.full(n, T, dtype=np.int32), {"states": states_NT} if latents else {})
 
     # ---------------------------------------------------------------- exact inference
 

@@ -58,8 +58,9 @@ class SCB:
         """T + 1 words per sentence."""
         return self.context_length + 1
 
-    def sample(self, n: int, seed: int) -> Corpus:
-        """n sentences (tokens int32[n, T + 1], all of length T + 1), latents {"position": the attended s}."""
+    def sample(self, n: int, seed: int, latents: bool = True) -> Corpus:
+        """n sentences (tokens int32[n, T + 1], all of length T + 1), latents {"position": the attended s}
+        ({} with `latents=False`)."""
         rng = np.random.default_rng(seed)
         N, T = self.vocab_size, self.context_length
         ctx = rng.choice(N, size=(n, T), p=self.mu)
@@ -68,7 +69,7 @@ class SCB:
         cum_P = np.cumsum(self.transition[:, ctx[np.arange(n), s]].T, axis=1)  # [n, N]
         last = np.minimum((rng.random((n, 1)) > cum_P).sum(1), N - 1)
         tokens = np.concatenate([ctx, last[:, None]], 1).astype(np.int32)
-        return Corpus(tokens, np.full(n, T + 1, np.int32), {"position": s.astype(np.int32)})
+        return Corpus(tokens, np.full(n, T + 1, np.int32), {"position": s.astype(np.int32)} if latents else {})
 
     def _joint(self, tokens_nL: np.ndarray) -> np.ndarray:
         """P(x) of full sentences, float64[n]."""

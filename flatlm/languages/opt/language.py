@@ -234,9 +234,10 @@ class OPTLanguage:
 
     # -- the Language interface ------------------------------------------------------------------------------------
 
-    def sample(self, n: int, seed: int) -> Corpus:
+    def sample(self, n: int, seed: int, latents: bool = True) -> Corpus:
         """n sentences of `max_length` words by ancestral sampling from BOS (renormalised over the K words).
-        Batches of `batch_size` use keys fold_in(seed, batch index), so samples depend on (seed, batch_size)."""
+        Batches of `batch_size` use keys fold_in(seed, batch index), so samples depend on (seed, batch_size).
+        latents {"opt_ids": the OPT token ids}, {} with `latents=False`."""
         out = []
         for i, start in enumerate(range(0, n, self.batch_size)):
             m = min(self.batch_size, n - start)
@@ -245,7 +246,7 @@ class OPTLanguage:
             out.append(np.asarray(words))
         tokens = np.concatenate(out) if out else np.zeros((0, self.max_length), np.int32)
         return Corpus(tokens=tokens.astype(np.int32), lengths=np.full((n,), self.max_length, np.int32),
-                      latents={"opt_ids": self.token_ids[tokens]})
+                      latents={"opt_ids": self.token_ids[tokens]} if latents else {})
 
     def log_prob(self, tokens, lengths) -> np.ndarray:
         """log P(x_0..x_{l-1}) = sum_{t<l} log p_K(x_t | BOS, x_<t), float64[n] (nats)."""

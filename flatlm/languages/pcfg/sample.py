@@ -9,6 +9,8 @@ import numpy as np
 
 from flatlm.languages.base import Corpus, special_ids
 
+TREE = ("preterminal", "split_symbol", "split_start", "split_end")  # the latents, int32[n, T] each (`PCFG.sample`)
+
 
 class Sampler:
     """All rules in one table sorted by LHS; rule r of A covers (A + cum[r-1], A + cum[r]] on the real line.
@@ -65,8 +67,10 @@ class Sampler:
             r = r + behind
         return np.minimum(r, self.edge.size - 1)
 
-    def draw(self, rng, m: int, cap: int) -> dict[str, np.ndarray]:
-        """m trees; sentences longer than `cap` are dropped (so fewer than m may come back)."""
+    def draw(self, rng, m: int, cap: int, latents: bool = True) -> dict[str, np.ndarray]:
+        """m trees; sentences longer than `cap` are dropped (so fewer than m may come back). `latents=False`
+        returns tokens and lengths only, the same ones, without filling the tree arrays (the stream source's
+        case: 4096 sentences of the tiny grammar in 14.8 instead of 22.9 ms, Intel Xeon 2.5 GHz)."""
         pick = np.searchsorted(self.root_cum, rng.random(m), side="right")
         sym = self.root_support[np.minimum(pick, self.root_cum.size - 1)]
         sent = np.arange(m, dtype=np.int64)
@@ -84,7 +88,9 @@ class Sampler:
             nxt_sent = np.repeat(sent[expand], 2)
             pending = np.bincount(nxt_sent, minlength=m)
             alive &= words_done + pending <= cap
-            sym = np.stack([self.left[r[expand]], self.right[r[expand]]], 1).reshape(-1)
+            r_expand = r[expand]
+            sym = np.empty(2 * r_expand.size, self.left.dtype)  # children interleaved: left, right, left, ...
+            sym[0::2], sym[1::2] = self.left[r_expand], self.right[r_expand]
             sent = nxt_sent
         # bottom-up sizes, then top-down starts
         sizes = [None] * len(levels)
@@ -99,38 +105,35 @@ class Sampler:
             sizes[d] = size
         lengths = sizes[0].copy()
         keep = alive & (lengths <= cap) & (lengths >= 1)
-        T = cap
-        tokens = np.full((m, T), special_ids(self.V).pad, np.int32)
-        pre = np.full((m, T), -1, np.int32)
-        split_sym = np.full((m, T), -1, np.int32)
-        split_start = np.full((m, T), -1, np.int32)
-        split_end = np.full((m, T), -1, np.int32)
+        tokens = np.full((m, cap), special_ids(self.V).pad, np.int32)
+        tree = {name: np.full((m, cap), -1, np.int32) for name in TREE} if latents else None
         start = np.zeros(m, np.int64)
         for d, (sym_d, sent_d, word_d, child_d) in enumerate(levels):
             ok = keep[sent_d]
             leaf = ok & (word_d >= 0)
             tokens[sent_d[leaf], start[leaf]] = word_d[leaf]
-            pre[sent_d[leaf], start[leaf]] = sym_d[leaf]
-            inner = ok & (child_d >= 0)
+            if latents:
+                tree["preterminal"][sent_d[leaf], start[leaf]] = sym_d[leaf]
             if d + 1 < len(levels):
                 nxt_start = np.zeros(levels[d + 1][0].size, np.int64)
                 has = child_d >= 0
-                lc = child_d[has]
-                nxt_start[lc] = start[has]
-                nxt_start[lc + 1] = start[has] + sizes[d + 1][lc]
-                k = start[inner] + sizes[d + 1][child_d[inner]]
-                split_sym[sent_d[inner], k] = sym_d[inner]
-                split_start[sent_d[inner], k] = start[inner]
-                split_end[sent_d[inner], k] = start[inner] + sizes[d][inner]
+                lc, start_has = child_d[has], start[has]
+                nxt_start[lc] = start_has
+                nxt_start[lc + 1] = start_has + sizes[d + 1][lc]
+                if latents:
+                    inner = ok & has
+                    k = start[inner] + sizes[d + 1][child_d[inner]]
+                    tree["split_symbol"][sent_d[inner], k] = sym_d[inner]
+                    tree["split_start"][sent_d[inner], k] = start[inner]
+                    tree["split_end"][sent_d[inner], k] = start[inner] + sizes[d][inner]
                 start = nxt_start
-        return {
-            "tokens": tokens[keep], "lengths": lengths[keep].astype(np.int32), "preterminal": pre[keep],
-            "split_symbol": split_sym[keep], "split_start": split_start[keep], "split_end": split_end[keep],
-        }
+        out = {"tokens": tokens[keep], "lengths": lengths[keep].astype(np.int32)}
+        return out | ({name: a[keep] for name, a in tree.items()} if latents else {})
 
 
-def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool) -> Corpus:
-    """n sentences of at most `cap` words (tokens int32[n, cap] padded with pad = V) and their parse trees.
+def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool, latents: bool = True) -> Corpus:
+    """n sentences of at most `cap` words (tokens int32[n, cap] padded with pad = V) and their parse trees
+    (`TREE`; none with `latents=False`, the same sentences).
 
     `rejects`: the grammar can derive longer sentences, which are dropped, so batches are drawn 25% larger
     (plus 16) until n remain. Deterministic in `seed`; see `PCFG.sample` for the latents.
@@ -140,7 +143,7 @@ def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool) 
     while have < n:
         want = n - have
         m = want if not rejects else int(want * 1.25) + 16
-        part = sampler.draw(rng, m, cap)
+        part = sampler.draw(rng, m, cap, latents)
         parts.append(part)
         have += len(part["lengths"])
     out = {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
