@@ -38,8 +38,10 @@ def test_sample_without_latents_gives_the_same_sentences(name):
             assert bare.tokens.dtype == full.tokens.dtype and bare.lengths.dtype == full.lengths.dtype
 
 
-def test_pcfg_trees_are_unchanged_by_the_option():
-    """The rejecting grammar's trees from the sampler's two branches (a batch drawn 25 % larger, then cut)."""
+def test_pcfg_trees_of_a_rejecting_grammar_hold_its_words():
+    """With latents (the default), a grammar that derives over-long sentences (drawn 25 % larger, then cut) still
+    returns every tree array, T-shaped int32, whose preterminals emit the words (tests/test_pcfg.py checks whole
+    derivations on a grammar that never rejects)."""
     g = dense_grammar(0, max_length=10)
     assert g._rejects
     corpus = g.sample(500, seed=3)

@@ -106,7 +106,7 @@ class Sampler:
         lengths = sizes[0].copy()
         keep = alive & (lengths <= cap) & (lengths >= 1)
         tokens = np.full((m, cap), special_ids(self.V).pad, np.int32)
-        tree = {name: np.full((m, cap), -1, np.int32) for name in TREE} if latents else None
+        tree = {name: np.full((m, cap), -1, np.int32) for name in TREE} if latents else {}
         start = np.zeros(m, np.int64)
         for d, (sym_d, sent_d, word_d, child_d) in enumerate(levels):
             ok = keep[sent_d]
@@ -128,7 +128,7 @@ class Sampler:
                     tree["split_end"][sent_d[inner], k] = start[inner] + sizes[d][inner]
                 start = nxt_start
         out = {"tokens": tokens[keep], "lengths": lengths[keep].astype(np.int32)}
-        return out | ({name: a[keep] for name, a in tree.items()} if latents else {})
+        return out | {name: a[keep] for name, a in tree.items()}
 
 
 def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool, latents: bool = True) -> Corpus:
