@@ -19,6 +19,8 @@ the L4-H128 train step compiled slower (3.0 -> 4.5 s), not faster.
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 CHART = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
@@ -28,6 +30,9 @@ CHART = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level":
 # whose wide blocks are batched matmuls, ran 2.7x slower without it (6.9k vs 18.4k): those keep `CHART`. The
 # backends ignore each other's options, so either dict is right on any backend.
 CHART_SMALL_DOTS = CHART | {"xla_gpu_autotune_level": 0}
+# $FLATLM_CHART_XLA_LEVEL (0-3) replaces the charts' LLVM level: `make test` sets 0, its charts being small and each
+# compiled once (test_pcfg.py 74-91 -> 56-57 s, one process, Intel model-85 VM, 2026-11-29). Unset: `CHART`'s 2.
+CHART_LEVEL_ENV = "FLATLM_CHART_XLA_LEVEL"
 ONE_SHOT = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
 
 _unknown: set[str] = set()  # option names this XLA rejected: not passed again
@@ -45,6 +50,16 @@ def compile_lowered(lowered, options: dict):
                 raise
             _unknown.add(name)
             del options[name]
+
+
+def chart_options(options: dict) -> dict:
+    """A chart's `options` with the LLVM level $FLATLM_CHART_XLA_LEVEL names, where it is set."""
+    level = os.environ.get(CHART_LEVEL_ENV, "")
+    if not level:
+        return options
+    if level not in ("0", "1", "2", "3"):
+        raise ValueError(f"{CHART_LEVEL_ENV}={level!r}: use an LLVM level 0-3, or unset it for the default 2")
+    return options | {"xla_backend_optimization_level": int(level)}
 
 
 def run_once(fn, *args, **jit_kwargs):

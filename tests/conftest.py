@@ -25,9 +25,10 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 # (31:39 -> 24:33 of CPU; Intel, 2026-11-29, benchmarks/RESULTS.md). The slow tests train for hundreds to thousands
 # of steps, which -O0's code runs slower: `make test-all` and a plain `pytest` leave the variable unset (-O1).
 # Every test asserts against a reference with its own tolerance, not against the default compiler's rounding;
-# programs compiled with explicit options (ONE_SHOT's init, the PCFG charts) keep them. Tests that are about the
-# default build (or whose outcome hangs on its rounding) call `with_xla_defaults`, which runs them in a process of
-# their own with XLA's defaults. FLATLM_TEST_XLA=default runs the whole suite with XLA's defaults.
+# programs compiled with explicit options keep them (ONE_SHOT's init always, the PCFG charts except under O0: below).
+# Tests that are about the default build (or whose outcome hangs on its rounding) call `with_xla_defaults`, which
+# runs them in a process of their own with XLA's defaults. FLATLM_TEST_XLA=default runs the whole suite with XLA's
+# defaults.
 # The caller's XLA_FLAGS, kept in the environment: xdist's workers inherit the controller's environment, lines below
 # included, and must not take its fast flags for the caller's.
 XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
@@ -38,6 +39,8 @@ TEST_COMPILE = ONE_SHOT | ({"xla_backend_optimization_level": 0} if TEST_XLA == 
 FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in TEST_COMPILE.items())
 if TEST_XLA != "default":
     os.environ["XLA_FLAGS"] = f"{XLA_DEFAULT_FLAGS} {FAST_COMPILE_FLAGS}".strip()
+if TEST_XLA == "O0":  # the PCFG charts too (flatlm.compile_options.chart_options): test_pcfg.py 74-91 -> 56-57 s
+    os.environ.setdefault("FLATLM_CHART_XLA_LEVEL", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -204,6 +204,30 @@ def test_gemm_autotuning_kept_for_charts_with_wide_blocks_only():
     assert compile_options.CHART_SMALL_DOTS["xla_gpu_autotune_level"] == 0
 
 
+def test_chart_level_comes_from_the_environment_and_reaches_the_compiler(monkeypatch):
+    """$FLATLM_CHART_XLA_LEVEL (make test's 0) replaces the charts' LLVM level, and only that option; unset, the
+    charts keep `CHART`'s; a bad value is refused by name. The engine passes the result to XLA."""
+    from flatlm import compile_options
+    from flatlm.languages.pcfg import engine
+
+    monkeypatch.delenv(compile_options.CHART_LEVEL_ENV, raising=False)
+    assert compile_options.chart_options(compile_options.CHART) == compile_options.CHART
+    assert compile_options.CHART["xla_backend_optimization_level"] == 2
+    monkeypatch.setenv(compile_options.CHART_LEVEL_ENV, "0")
+    assert compile_options.chart_options(compile_options.CHART_SMALL_DOTS) == {
+        **compile_options.CHART_SMALL_DOTS, "xla_backend_optimization_level": 0}
+    seen = []
+    real = engine.compile_lowered
+    monkeypatch.setattr(engine, "compile_lowered", lambda lowered, options: seen.append(options) or real(lowered,
+                                                                                                        options))
+    g = dense_grammar(1, num_nonterminals=2, num_words=3, max_length=2, batch_size=4, bucket_lengths=False)
+    assert np.isfinite(g.log_prob(np.array([[0, 1]], np.int32), np.array([2]))).all()
+    assert seen and all(o["xla_backend_optimization_level"] == 0 for o in seen)
+    monkeypatch.setenv(compile_options.CHART_LEVEL_ENV, "fast")
+    with pytest.raises(ValueError, match="FLATLM_CHART_XLA_LEVEL='fast': use an LLVM level 0-3"):
+        compile_options.chart_options(compile_options.CHART)
+
+
 def test_log_prob_of_every_string_sums_to_length_distribution(dense, layered):
     """Enumerate every string of each length: sum_x P(x) = P(length), for the JAX inside pass (log_prob),
     the all-ones-leaf pass (length_distribution) and the numpy recursion."""

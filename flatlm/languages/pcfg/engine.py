@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.compile_options import CHART, CHART_SMALL_DOTS, compile_lowered
+from flatlm.compile_options import CHART, CHART_SMALL_DOTS, chart_options, compile_lowered
 from flatlm.languages.base import host_outputs, special_ids, start_host_copy
 from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES, has_wide_blocks
 from flatlm.languages.pcfg.plan import Plan
@@ -48,7 +48,7 @@ class Compiled:
                      for a in jax.tree.leaves(args))
 
     def _compile(self, args):
-        return compile_lowered(self.jitted.lower(*args), self.options)
+        return compile_lowered(self.jitted.lower(*args), chart_options(self.options))
 
     def prepare(self, arg_lists: list) -> None:
         """Compile the shapes of these argument tuples that are not compiled yet (in parallel)."""
