@@ -30,11 +30,14 @@ def tiny():
                      attention_dropout=0.0)
     model = Bert(cfg)
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
-    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
     mask = jnp.zeros((B, T), bool).at[jnp.arange(B), jnp.arange(B) % T].set(True)
     batch = {"tokens": jnp.where(mask, V + 1, tokens), "targets": tokens, "weights": mask.astype(jnp.float32),
              "rng": jax.random.key(7)}
     return model.apply, params, batch
+
+
+_mlm_loss = jax.jit(mlm_loss, static_argnums=2)  # the references' loss, compiled whole (op by op: ~30 ms an op)
 
 
 def _jit_vg(obj):
@@ -106,7 +109,7 @@ def test_sam_groups_weight_their_predictions_and_draw_their_own_dropout(tiny):
     per = [float(_sam_reference(apply_fn, params, {k: v[i:i + 1] for k, v in rows.items()}, 0.1)[0]) if w[i].sum()
            else 0.0 for i in range(4)]
     assert float(loss) == pytest.approx(np.dot(w.sum(1), per) / w.sum(), rel=1e-5)
-    assert float(aux["train/mlm_loss"]) == pytest.approx(float(mlm_loss(params, rows, apply_fn)), rel=1e-6)
+    assert float(aux["train/mlm_loss"]) == pytest.approx(float(_mlm_loss(params, rows, apply_fn)), rel=1e-6)
 
     cfg = BertConfig(num_words=V, max_len=T, d_model=8, num_layers=1, num_heads=1, d_ff=16, dropout=0.3,
                      attention_dropout=0.0)
@@ -114,16 +117,16 @@ def test_sam_groups_weight_their_predictions_and_draw_their_own_dropout(tiny):
     same = {k: jnp.repeat(batch[k][:1], 4, axis=0) for k in ("tokens", "targets", "weights")}
     key = jax.random.key(5)
     _, aux = jax.jit(obj, static_argnums=(2,))(params, same, model.apply, key)
-    want = np.mean([float(mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, k))
+    want = np.mean([float(_mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, k))
                     for k in jax.random.split(key, 4)])
     assert float(aux["train/mlm_loss"]) == pytest.approx(want, rel=1e-5)
-    assert want != pytest.approx(float(mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, key)),
+    assert want != pytest.approx(float(_mlm_loss(params, {k: v[:1] for k, v in same.items()}, model.apply, key)),
                                  rel=1e-3)  # the shared key's value, what the old code logged
 
 
 def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
     apply_fn, params, batch = tiny
-    clean = mlm_loss(params, batch, apply_fn)
+    clean = _mlm_loss(params, batch, apply_fn)
     none = flat.make_objective(flat.FlatConfig(method="label_noise", noise_p=0.0))
     assert float(none(params, batch, apply_fn, None)[0]) == pytest.approx(float(clean), rel=1e-6)
     k_pick, k_draw = jax.random.split(batch["rng"])
@@ -133,7 +136,7 @@ def test_label_noise_redraws_the_chosen_fraction_of_targets(tiny):
             drawn = jax.random.randint(k_draw, batch["targets"].shape, 0, V)
         else:
             drawn = sample_labels(k_draw, apply_fn({"params": params}, batch["tokens"]))  # its law: test_fisher.py
-        want = mlm_loss(params, {**batch, "targets": drawn}, apply_fn)
+        want = _mlm_loss(params, {**batch, "targets": drawn}, apply_fn)
         loss, aux = obj(params, batch, apply_fn, None)
         assert float(loss) == pytest.approx(float(want), rel=1e-5) and float(aux["train/noisy_fraction"]) == 1.0
     # with `positions` (the head at the predicted positions only) the model's draws are the same labels as above;
@@ -170,7 +173,7 @@ def test_trace_penalty_adds_gamma_times_the_estimate(tiny):
     apply_fn, params, batch = tiny
     obj = flat.make_objective(flat.FlatConfig(method="trace_penalty", gamma=0.5, probes=4))
     (loss, aux), grads = _jit_vg(obj)(params, batch, apply_fn, None)
-    assert float(loss) == pytest.approx(float(mlm_loss(params, batch, apply_fn) + 0.5 * aux["train/trace_estimate"]),
+    assert float(loss) == pytest.approx(float(_mlm_loss(params, batch, apply_fn) + 0.5 * aux["train/trace_estimate"]),
                                         rel=1e-5)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(grads))
 
@@ -259,10 +262,14 @@ def test_fisher_penalty_estimates_the_exact_model_fisher_trace(tiny, at_position
     def logp(p):
         return jax.nn.log_softmax(apply_fn({"params": p}, batch["tokens"])[rows, cols])  # [n, V]
 
-    jac, probs = jax.jacrev(logp)(params), jnp.exp(logp(params))
-    sq = sum(jnp.sum(g.reshape(*probs.shape, -1) ** 2, -1) for g in jax.tree.leaves(jac))
-    w_n = batch["weights"][rows, cols]
-    exact = float(jnp.sum(w_n[:, None] * probs * sq) / w_n.sum())
+    @jax.jit  # one program (op by op: ~200 tiny ones)
+    def exact_fisher(p):
+        jac, probs = jax.jacrev(logp)(p), jnp.exp(logp(p))
+        sq = sum(jnp.sum(g.reshape(*probs.shape, -1) ** 2, -1) for g in jax.tree.leaves(jac))
+        w_n = batch["weights"][rows, cols]
+        return jnp.sum(w_n[:, None] * probs * sq) / w_n.sum()
+
+    exact = float(exact_fisher(params))
     penalty = jax.jit(flat.fisher_penalty, static_argnames=("apply_fn", "probes"))
     samples = np.array([float(penalty(params, batch, apply_fn, jax.random.key(s), 16)) for s in range(24)])
     assert abs(samples.mean() - exact) < 4 * samples.std(ddof=1) / np.sqrt(len(samples)), (samples.mean(), exact)
@@ -356,7 +363,7 @@ def test_penalty_on_the_loss_forward_equals_autodiff_of_the_formula(tiny, case):
     (value, aux), grad = _jit_vg(flat.make_objective(cfg))(params, batch, apply_fn, dropout_key)
     want_value, want_grad = jax.jit(jax.value_and_grad(reference))(params)
     assert float(value) == pytest.approx(float(want_value), rel=1e-5)
-    assert float(aux["train/mlm_loss"]) == pytest.approx(float(mlm_loss(params, batch, apply_fn, dropout_key)),
+    assert float(aux["train/mlm_loss"]) == pytest.approx(float(_mlm_loss(params, batch, apply_fn, dropout_key)),
                                                          rel=1e-6)
     got, want = ravel_pytree(grad)[0], ravel_pytree(want_grad)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))

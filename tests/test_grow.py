@@ -159,18 +159,18 @@ def test_table4_members_embed_into_its_largest_shape():
 
 def _model_fisher_by_leaf(model, params, masked_BT, pos_B) -> dict[str, float]:
     """Exact model Fisher trace per tensor: mean over contexts of sum_y p(y|x) ||grad log p(y|x)||^2 (= Tr(H) at
-    the saturation optimum, Lemma 4.2), by the full Jacobian (no sampling)."""
+    the saturation optimum, Lemma 4.2), by the full Jacobian (no sampling); one compiled program, not op by op."""
     B = masked_BT.shape[0]
 
     def logp(p):
         return jax.nn.log_softmax(model.apply({"params": p}, masked_BT)[jnp.arange(B), pos_B])
 
-    jac, probs = jax.jit(jax.jacrev(logp))(params), jnp.exp(logp(params))  # one compiled program, not op by op
-    out = {}
-    for path, g in jax.tree_util.tree_flatten_with_path(jac)[0]:
-        name = "/".join(str(k.key) for k in path)
-        out[name] = float(jnp.sum(probs * jnp.sum(g.reshape(B, probs.shape[1], -1) ** 2, -1)) / B)
-    return out
+    def by_leaf(p):
+        jac, probs = jax.jacrev(logp)(p), jnp.exp(logp(p))
+        return jax.tree.map(lambda g: jnp.sum(probs * jnp.sum(g.reshape(B, probs.shape[1], -1) ** 2, -1)) / B, jac)
+
+    sums = jax.tree_util.tree_flatten_with_path(jax.jit(by_leaf)(params))[0]
+    return {"/".join(str(k.key) for k in path): float(value) for path, value in sums}
 
 
 def test_growth_rescales_the_fisher_trace_of_exactly_the_non_invariant_tensors():
@@ -184,14 +184,16 @@ def test_growth_rescales_the_fisher_trace_of_exactly_the_non_invariant_tensors()
         small = BertConfig(num_words=V, max_len=T, d_model=8, num_layers=1, num_heads=1, d_ff=16, dropout=0.0,
                            attention_dropout=0.0, dtype="float64", param_dtype="float64")
         tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
-        params = nn.unbox(Bert(small).init(jax.random.key(0), tokens)["params"])
-        params = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), params)
+        params = nn.unbox(jax.jit(Bert(small).init)(jax.random.key(0), tokens)["params"])
+        params = jax.jit(lambda p: jax.tree.map(
+            lambda x: x + 0.5 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), p))(params)
         pos = jnp.arange(B) % T
         masked = tokens.at[jnp.arange(B), pos].set(V + 1)
         before = _model_fisher_by_leaf(Bert(small), params, masked, pos)
         k = 2
         big = grow.grown_config(small, d_model=8 * k, num_layers=2)
-        after = _model_fisher_by_leaf(Bert(big), grow.embed(params, small, big), masked, pos)
+        grown = jax.jit(grow.embed, static_argnums=(1, 2))(params, small, big)
+        after = _model_fisher_by_leaf(Bert(big), grown, masked, pos)
     for name, value in before.items():
         leaf = tuple(name.split("/"))
         factor = 1.0 if growth_group(leaf) == "growth_invariant" else k if name.startswith("head_ln") else 1 / k

@@ -26,14 +26,17 @@ def test_grown_bilstm_computes_the_same_logits(k, d_embed):
     small_cfg, small = _model(4, d_embed=d_embed)
     tokens = jax.random.randint(jax.random.key(1), (5, 6), 0, 10)
     tokens = tokens.at[0, 4:].set(7)  # a padded sentence (pad = V)
-    params = nn.unbox(small.init(jax.random.key(0), tokens)["params"])
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(2), x.shape), params)  # not at init
+    # every step compiled whole: op by op, the BiLSTM's forward compiled ~130 tiny programs
+    params = nn.unbox(jax.jit(small.init)(jax.random.key(0), tokens)["params"])
+    params = jax.jit(lambda p: jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(2), x.shape), p))(
+        params)  # not at init
     big_cfg = grow_lstm.grown_lstm_config(small_cfg, 4 * k)
     grown = grow_lstm.embed_lstm(params, small_cfg, big_cfg)
-    want = small.apply({"params": params}, tokens)
-    got = BiLSTM(big_cfg).apply({"params": grown}, tokens)
+    want = jax.jit(small.apply)({"params": params}, tokens)
+    got = jax.jit(BiLSTM(big_cfg).apply)({"params": grown}, tokens)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    big_shapes = jax.tree.map(lambda x: x.shape, nn.unbox(BiLSTM(big_cfg).init(jax.random.key(0), tokens)["params"]))
+    big_shapes = jax.tree.map(lambda x: x.shape, nn.unbox(jax.eval_shape(BiLSTM(big_cfg).init, jax.random.key(0),
+                                                                         tokens)["params"]))
     assert jax.tree.map(lambda x: x.shape, grown) == big_shapes
 
 

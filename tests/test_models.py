@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,13 @@ V, T = 11, 7
 
 
 def _init(model, tokens):
-    return nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    return nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
+
+
+@functools.cache  # equal models share one jitted apply
+def _apply(model):
+    """`model.apply` as compiled programs: op by op, one test compiled hundreds of tiny ones (~30 ms each)."""
+    return jax.jit(model.apply, static_argnames=("method", "deterministic", "num_layers"))
 
 
 @pytest.mark.parametrize("ln_mode", ["pre", "post"])
@@ -23,18 +31,18 @@ def test_bert_shapes_and_padding_invariance(ln_mode):
     model = Bert(cfg)
     tokens = jnp.array([[1, 2, 3, 12, 4, V, V], [5, 6, 7, 8, 9, 10, 0]], jnp.int32)  # 12 = mask id
     params = _init(model, tokens)
-    logits = model.apply({"params": params}, tokens)
+    logits = _apply(model)({"params": params}, tokens)
     assert logits.shape == (2, T, V)  # words only
-    h = model.apply({"params": params}, tokens, method=Bert.features)
+    h = _apply(model)({"params": params}, tokens, method=Bert.features)
     assert h.shape == (2, T, 64)
     # padded keys are ignored: changing the padding length does not change real positions
     longer = jnp.concatenate([tokens, jnp.full((2, 0), V, jnp.int32)], 1)
     other = tokens.at[0, 6].set(V)
-    np.testing.assert_allclose(model.apply({"params": params}, other)[0, :5],
-                               model.apply({"params": params}, longer)[0, :5], atol=1e-6)
+    np.testing.assert_allclose(_apply(model)({"params": params}, other)[0, :5],
+                               _apply(model)({"params": params}, longer)[0, :5], atol=1e-6)
     # attention: a real token's change does reach other positions
     changed = tokens.at[0, 0].set(9)
-    assert np.abs(model.apply({"params": params}, changed)[0, 2] - logits[0, 2]).max() > 1e-4
+    assert np.abs(_apply(model)({"params": params}, changed)[0, 2] - logits[0, 2]).max() > 1e-4
 
 
 def test_bert_head_is_tied_to_input_embeddings():
@@ -44,14 +52,14 @@ def test_bert_head_is_tied_to_input_embeddings():
     params = _init(model, tokens)
     assert params["tok_embed"].shape == (V + 3, 64)  # words + pad, mask, cls
     assert "head_bias" in params and params["head_bias"].shape == (V,)
-    grads = jax.grad(lambda p: model.apply({"params": p}, tokens)[0, 0, 3])(params)
+    grads = jax.grad(lambda p: _apply(model)({"params": p}, tokens)[0, 0, 3])(params)
     assert np.abs(grads["tok_embed"][3]).sum() > 0  # output row 3 uses input embedding row 3
-    h = model.apply({"params": params}, tokens, method=Bert.features)
+    h = _apply(model)({"params": params}, tokens, method=Bert.features)
     z = jax.nn.gelu(h @ params["head_dense"] + params["head_dense_bias"], approximate=True)
     mu, var = z.mean(-1, keepdims=True), z.var(-1, keepdims=True)
     z = (z - mu) / jnp.sqrt(var + cfg.ln_eps) * params["head_ln"]["norm"]["scale"] + params["head_ln"]["norm"]["bias"]
     manual = z @ params["tok_embed"][:V].T + params["head_bias"]
-    np.testing.assert_allclose(model.apply({"params": params}, tokens), manual, atol=1e-5)
+    np.testing.assert_allclose(_apply(model)({"params": params}, tokens), manual, atol=1e-5)
 
 
 def test_table3_and_table4_are_the_papers():
@@ -80,10 +88,10 @@ def test_dropout_changes_output_only_in_training():
     model = Bert(cfg)
     tokens = jnp.ones((2, T), jnp.int32)
     params = _init(model, tokens)
-    a = model.apply({"params": params}, tokens)
-    b = model.apply({"params": params}, tokens, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    a = _apply(model)({"params": params}, tokens)
+    b = _apply(model)({"params": params}, tokens, deterministic=False, rngs={"dropout": jax.random.key(1)})
     assert np.abs(a - b).max() > 1e-3
-    np.testing.assert_array_equal(a, model.apply({"params": params}, tokens))
+    np.testing.assert_array_equal(a, _apply(model)({"params": params}, tokens))
 
 
 def test_lstm_is_bidirectional_and_respects_lengths():
@@ -91,16 +99,16 @@ def test_lstm_is_bidirectional_and_respects_lengths():
     model = BiLSTM(cfg)
     tokens = jnp.array([[1, 2, 3, 4, V, V, V]], jnp.int32)
     params = _init(model, tokens)
-    out = model.apply({"params": params}, tokens)
+    out = _apply(model)({"params": params}, tokens)
     assert out.shape == (1, T, V)
-    assert model.apply({"params": params}, tokens, method=BiLSTM.features).shape == (1, T, 32)
+    assert _apply(model)({"params": params}, tokens, method=BiLSTM.features).shape == (1, T, 32)
     # a later word changes an earlier position (backward direction) and an earlier word a later one
     later = tokens.at[0, 3].set(7)
-    assert np.abs(model.apply({"params": params}, later)[0, 0] - out[0, 0]).max() > 1e-6
+    assert np.abs(_apply(model)({"params": params}, later)[0, 0] - out[0, 0]).max() > 1e-6
     earlier = tokens.at[0, 0].set(7)
-    assert np.abs(model.apply({"params": params}, earlier)[0, 3] - out[0, 3]).max() > 1e-6
+    assert np.abs(_apply(model)({"params": params}, earlier)[0, 3] - out[0, 3]).max() > 1e-6
     # the padding does not leak into real positions: same as the unpadded sentence
-    np.testing.assert_allclose(model.apply({"params": params}, tokens[:, :4])[0], out[0, :4], atol=1e-6)
+    np.testing.assert_allclose(_apply(model)({"params": params}, tokens[:, :4])[0], out[0, :4], atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["bert-pre", "bert-post", "lstm"])
@@ -122,16 +130,16 @@ def test_mlm_loss_at_positions_is_the_full_head_loss(kind):
     assert batch["positions"].shape == (9, 3)
     full = {k: v for k, v in batch.items() if k != "positions"}
     params = _init(model, jnp.asarray(tokens))
+    loss_and_grad = jax.jit(jax.value_and_grad(mlm_loss), static_argnums=2)
     for key in (None, jax.random.key(5)):
-        (want, g_want), (got, g_got) = (jax.value_and_grad(mlm_loss)(params, b, model.apply, key)
-                                        for b in (full, batch))
+        (want, g_want), (got, g_got) = (loss_and_grad(params, b, model.apply, key) for b in (full, batch))
         assert float(got) == pytest.approx(float(want), rel=1e-6)
         flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
         np.testing.assert_allclose(flat(g_got), flat(g_want), rtol=1e-5, atol=1e-7)
     # a batch whose positions miss a weighted one (built by hand) gives a non-finite loss, not a smaller sum
     assert (batch["weights"].sum(1) > 1).any()
     dropped = {**batch, "positions": batch["positions"][:, 1:]}
-    assert np.isnan(float(mlm_loss(params, dropped, model.apply)))
+    assert np.isnan(float(jax.jit(mlm_loss, static_argnums=2)(params, dropped, model.apply)))
 
 
 @pytest.mark.parametrize("kind", ["bert-pre", "bert-post", "lstm"])
@@ -147,9 +155,9 @@ def test_logits_at_is_the_full_forward_at_that_position(kind):
     lengths = rng.integers(2, T + 1, size=5)
     tokens = jnp.asarray(np.where(np.arange(T)[None] < lengths[:, None], rng.integers(0, V, (5, T)), V))
     params = _init(model, tokens)
-    want_BTV = np.asarray(model.apply({"params": params}, tokens))
+    want_BTV = np.asarray(_apply(model)({"params": params}, tokens))
     copies_NT, pos_N = jnp.repeat(tokens, T, axis=0), jnp.tile(jnp.arange(T), 5)
-    got_NV = np.asarray(model.apply({"params": params}, copies_NT, pos_N, method="logits_at"))
+    got_NV = np.asarray(_apply(model)({"params": params}, copies_NT, pos_N, method="logits_at"))
     assert got_NV.shape == (5 * T, V)
     np.testing.assert_allclose(got_NV, want_BTV.reshape(5 * T, V), rtol=1e-5, atol=1e-6)
     # a shifted position picks a different row: the test can tell positions apart
@@ -170,21 +178,22 @@ def test_features_of_an_inner_layer_are_those_of_the_model_cut_there(kind):
     lengths = rng.integers(2, T + 1, size=4)
     tokens = jnp.asarray(np.where(np.arange(T)[None] < lengths[:, None], rng.integers(0, V, (4, T)), V))
     params = _init(make(2), tokens)
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), params)
-    got = np.asarray(make(2).apply({"params": params}, tokens, method="features", num_layers=1))
+    params = jax.jit(lambda p: jax.tree.map(
+        lambda x: x + 0.1 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), p))(params)
+    got = np.asarray(_apply(make(2))({"params": params}, tokens, method="features", num_layers=1))
     second = "bilstm_1" if kind == "lstm" else "layer_1"
     cut = {k: v for k, v in params.items() if k != second}
     if kind == "bert-pre":  # the reference: a 1-layer model whose final LN is the identity
         cut["final_ln"] = jax.tree_util.tree_map_with_path(
             lambda path, x: jnp.ones_like(x) if path[-1].key == "scale" else jnp.zeros_like(x), cut["final_ln"])
-    want = np.asarray(make(1).apply({"params": cut}, tokens, method="features"))
+    want = np.asarray(_apply(make(1))({"params": cut}, tokens, method="features"))
     if kind == "bert-pre":  # LN with unit scale still normalises: undo by comparing normalised streams
         norm = lambda h: (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-12)  # noqa: E731
         got = norm(got)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    full = make(2).apply({"params": params}, tokens, method="features")
-    np.testing.assert_array_equal(make(2).apply({"params": params}, tokens, method="features", num_layers=2), full)
-    assert np.abs(np.asarray(full) - np.asarray(make(2).apply({"params": params}, tokens, method="features",
+    full = _apply(make(2))({"params": params}, tokens, method="features")
+    np.testing.assert_array_equal(_apply(make(2))({"params": params}, tokens, method="features", num_layers=2), full)
+    assert np.abs(np.asarray(full) - np.asarray(_apply(make(2))({"params": params}, tokens, method="features",
                                                               num_layers=1))).max() > 1e-3
     with pytest.raises(ValueError, match="layers 1..2"):
         make(2).apply({"params": params}, tokens, method="features", num_layers=3)
