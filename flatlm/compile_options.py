@@ -23,6 +23,8 @@ import os
 
 import jax
 
+from flatlm.errors import UserError
+
 CHART = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 2}
 # XLA:GPU autotunes every dot by compiling candidate kernels for it. A chart of small blocks has many small dots that
 # gain nothing from it: on an H100 (jax 0.11.2, one run each, 2026-11-27) the released-shape grammar compiled in
@@ -58,7 +60,7 @@ def chart_options(options: dict) -> dict:
     if not level:
         return options
     if level not in ("0", "1", "2", "3"):
-        raise ValueError(f"{CHART_LEVEL_ENV}={level!r}: use an LLVM level 0-3, or unset it for the default 2")
+        raise UserError(f"{CHART_LEVEL_ENV}={level!r}: use an LLVM level 0-3, or unset it for the default 2")
     return options | {"xla_backend_optimization_level": int(level)}
 
 

@@ -39,8 +39,12 @@ TEST_COMPILE = ONE_SHOT | ({"xla_backend_optimization_level": 0} if TEST_XLA == 
 FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in TEST_COMPILE.items())
 if TEST_XLA != "default":
     os.environ["XLA_FLAGS"] = f"{XLA_DEFAULT_FLAGS} {FAST_COMPILE_FLAGS}".strip()
-if TEST_XLA == "O0":  # the PCFG charts too (flatlm.compile_options.chart_options): test_pcfg.py 74-91 -> 56-57 s
-    os.environ.setdefault("FLATLM_CHART_XLA_LEVEL", "0")
+# Under O0 the PCFG charts too (flatlm.compile_options.chart_options; test_pcfg.py 74-91 -> 56-57 s), unless the
+# caller chose their level; a level set here is not passed on to `with_xla_defaults`' processes (marked, as workers
+# inherit it).
+if TEST_XLA == "O0" and "FLATLM_CHART_XLA_LEVEL" not in os.environ:
+    os.environ["FLATLM_CHART_XLA_LEVEL"] = "0"
+    os.environ["FLATLM_TEST_SET_CHART_LEVEL"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,6 +86,8 @@ def with_xla_defaults(request) -> bool:
     if os.environ.get("FLATLM_TEST_XLA") == "default":
         return True
     env = {**os.environ, "FLATLM_TEST_XLA": "default", "XLA_FLAGS": XLA_DEFAULT_FLAGS}
+    if env.pop("FLATLM_TEST_SET_CHART_LEVEL", None):
+        del env["FLATLM_CHART_XLA_LEVEL"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            request.node.nodeid], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert proc.returncode == 0, f"with XLA's default flags:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"

@@ -206,7 +206,8 @@ def test_gemm_autotuning_kept_for_charts_with_wide_blocks_only():
 
 def test_chart_level_comes_from_the_environment_and_reaches_the_compiler(monkeypatch):
     """$FLATLM_CHART_XLA_LEVEL (make test's 0) replaces the charts' LLVM level, and only that option; unset, the
-    charts keep `CHART`'s; a bad value is refused by name. The engine passes the result to XLA."""
+    charts keep `CHART`'s; a bad value is a UserError naming it (one line from the CLI). The engine passes the
+    result to XLA."""
     from flatlm import compile_options
     from flatlm.languages.pcfg import engine
 
@@ -224,7 +225,7 @@ def test_chart_level_comes_from_the_environment_and_reaches_the_compiler(monkeyp
     assert np.isfinite(g.log_prob(np.array([[0, 1]], np.int32), np.array([2]))).all()
     assert seen and all(o["xla_backend_optimization_level"] == 0 for o in seen)
     monkeypatch.setenv(compile_options.CHART_LEVEL_ENV, "fast")
-    with pytest.raises(ValueError, match="FLATLM_CHART_XLA_LEVEL='fast': use an LLVM level 0-3"):
+    with pytest.raises(UserError, match="FLATLM_CHART_XLA_LEVEL='fast': use an LLVM level 0-3"):
         compile_options.chart_options(compile_options.CHART)
 
 
