@@ -35,11 +35,11 @@ def test_bert_shapes_and_padding_invariance(ln_mode):
     assert logits.shape == (2, T, V)  # words only
     h = _apply(model)({"params": params}, tokens, method=Bert.features)
     assert h.shape == (2, T, 64)
-    # padded keys are ignored: changing the padding length does not change real positions
-    longer = jnp.concatenate([tokens, jnp.full((2, 0), V, jnp.int32)], 1)
-    other = tokens.at[0, 6].set(V)
-    np.testing.assert_allclose(_apply(model)({"params": params}, other)[0, :5],
-                               _apply(model)({"params": params}, longer)[0, :5], atol=1e-6)
+    # padded keys are ignored: changing the padding length does not change real positions (row 0 has 5 words; the
+    # old check compared two inputs equal to `tokens` and could not fail)
+    np.testing.assert_allclose(_apply(model)({"params": params}, tokens[:, :5])[0], logits[0, :5], atol=1e-6)
+    # ...while a real word there would: the check can fail
+    assert np.abs(_apply(model)({"params": params}, tokens.at[0, 5].set(7))[0, :5] - logits[0, :5]).max() > 1e-4
     # attention: a real token's change does reach other positions
     changed = tokens.at[0, 0].set(9)
     assert np.abs(_apply(model)({"params": params}, changed)[0, 2] - logits[0, 2]).max() > 1e-4
