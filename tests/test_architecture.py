@@ -15,8 +15,8 @@ MAX_LINES = 400
 
 # Lower layers never import higher ones. Modules of one layer may import each other (without circles).
 LAYERS = [
-    ("flatlm", "flatlm.allocator", "flatlm.compile_options", "flatlm.errors", "flatlm.paths", "flatlm.config",
-     "flatlm.table", "flatlm.results", "flatlm.metrics", "flatlm.sharding",
+    ("flatlm", "flatlm.allocator", "flatlm.cpu_codegen", "flatlm.compile_options", "flatlm.errors", "flatlm.paths",
+     "flatlm.config", "flatlm.table", "flatlm.results", "flatlm.metrics", "flatlm.sharding",
      "flatlm.checkpoint"),  # foundation: no model, no language
     ("flatlm.languages",),
     ("flatlm.data",),
