@@ -2,16 +2,16 @@
 machine of at most two usable CPUs.
 
 XLA:CPU cuts each program's LLVM module into up to 32 parts (`--xla_cpu_parallel_codegen_split_count`, default 32)
-and compiles them on a thread pool. With two cores that costs more than it saves, the more so beside flatlm's
-single-arena heap (flatlm/allocator.py: XLA's compile threads contend for it). Measured on a 2-core Intel VM
-(2026-11-29, benchmarks/RESULTS.md), interleaved, split 32 vs 1:
+and compiles them on a thread pool. With two cores that costs more than it saves. (flatlm's single-arena heap,
+flatlm/allocator.py, also makes XLA's compile threads contend; the two effects were not measured apart.) Measured on
+a 2-core Intel VM (2026-11-29, benchmarks/RESULTS.md), interleaved, split 32 vs 1:
 - `flatlm train` tiny, compilation cache cold, first step: 18.6 / 16.4 s -> 14.0 / 15.1 s (medians of 3);
 - the L4-H128 train step (benchmarks/train_step.py): compile 10.2 / 10.3 s -> 9.4 / 10.0 s, steps no slower
   (13.7k / 11.7k -> 14.4k / 13.9k tokens/s);
 - four compile-bound test files on two xdist workers: 326 / 323 -> 292 / 268 CPU-s.
 The numbers are the same: 30 steps of `flatlm train` tiny gave bitwise the same parameters and optimizer state,
 and tests/test_cpu_codegen.py checks a gradient's bits at LLVM -O1, -O2 and -O3 (the levels flatlm compiles with).
-At -O0, which only `make test` uses, the split moves last bits (up to 1.3e-8 in that gradient).
+At -O0 (`make test`'s level) the split moves last bits (up to 1.3e-8 in that gradient).
 
 Left alone: more than two usable CPUs (not measured there; the parallel parts may pay), and XLA_FLAGS that already
 name the flag (the caller's value wins: `--xla_cpu_parallel_codegen_split_count=32` is XLA's default). Accelerator
