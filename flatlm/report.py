@@ -88,13 +88,20 @@ def find_runs(dirs: list[str]) -> list[RunData]:
     return runs
 
 
+_PARAM_COUNTS: dict[tuple[str, str], int] = {}  # (language, model) configs as JSON -> count: seeds share a model
+
+
 def param_count(run: RunData) -> int | None:
-    """Number of parameters of the run's model (abstract init; nothing is allocated)."""
+    """Number of parameters of the run's model (abstract init; nothing is allocated). Counted once per language
+    and model config in a process: a size sweep over seeds repeats each model (C2's reports: 18 runs, 6 models)."""
     cfg = load_workdir_config(str(run.path))
-    lang = make_language(cfg.language)
-    model = make_model(model_config(cfg.model, lang.vocab_size, lang.max_length + 1))
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, lang.max_length), jnp.int32)))
-    return int(sum(x.size for x in jax.tree.leaves(nn.unbox(shapes))))
+    key = (cfg.language.to_json_best_effort(sort_keys=True), cfg.model.to_json_best_effort(sort_keys=True))
+    if key not in _PARAM_COUNTS:
+        lang = make_language(cfg.language)
+        model = make_model(model_config(cfg.model, lang.vocab_size, lang.max_length + 1))
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, lang.max_length), jnp.int32)))
+        _PARAM_COUNTS[key] = int(sum(x.size for x in jax.tree.leaves(nn.unbox(shapes))))
+    return _PARAM_COUNTS[key]
 
 
 def spearman_with_ci(x, y, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import run_cli, write_toy_experiment
 
-from flatlm import reproduce, reproduce_report, reproduce_run
+from flatlm import report, reproduce, reproduce_report, reproduce_run
 from flatlm.config import base_config
 from flatlm.errors import UserError
+from flatlm.languages import make_language
+from flatlm.models import make_model, model_config
 
 SEEDS = (0, 1, 2)
 
@@ -392,3 +397,28 @@ def test_reproduce_seeds_that_are_not_integers_are_a_one_line_error(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "'1,x': write comma-separated integers, e.g. --seeds 3,4,5" in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_param_count_is_the_initialised_models_and_counted_once_per_model(tmp_path, monkeypatch):
+    """`report.param_count` against the parameters a real init allocates (not the abstract one it uses), for two
+    widths over two seeds; the second seed of a width is answered from the count already taken."""
+    exp = _dir(tmp_path, "fig2_model_sizes")
+    for s in (0, 1):
+        for d in (32, 64):
+            _run(exp, f"d{d}-seed{s}", {10: (2.0, 0.01, 0.3, None)}, d_model=d)
+    runs = sorted(report.find_runs([str(exp)]), key=lambda r: r.name)
+    monkeypatch.setattr(report, "_PARAM_COUNTS", {})
+    builds = []
+    real_make = report.make_model
+    monkeypatch.setattr(report, "make_model", lambda cfg: builds.append(cfg) or real_make(cfg))
+    counts = {r.name: report.param_count(r) for r in runs}
+    assert len(builds) == 2  # one model per width, not per run
+    cfg = base_config()
+    lang = make_language(cfg.language)
+    for d in (32, 64):
+        cfg.model.d_model = d
+        model = make_model(model_config(cfg.model, lang.vocab_size, lang.max_length + 1))
+        params = nn.unbox(model.init(jax.random.key(1), jnp.zeros((1, lang.max_length), jnp.int32)))
+        want = sum(x.size for x in jax.tree.leaves(params))
+        assert counts[f"d{d}-seed0"] == counts[f"d{d}-seed1"] == want
+    assert counts["d32-seed0"] < counts["d64-seed0"]
