@@ -112,8 +112,9 @@ def sam_objective(cfg: FlatConfig):
     """SAM with `cfg.ascent_groups` independent ascent steps (see the module docstring)."""
 
     def perturbed(params, group, apply_fn, key):
+        mask = tuple(block_mask(params, cfg.blocks))  # first: a block the model lacks is an error before any work
         plain, g = jax.value_and_grad(mlm_loss)(params, group, apply_fn, key)
-        g = _restrict(g, tuple(block_mask(params, cfg.blocks)))
+        g = _restrict(g, mask)
         scale = cfg.rho / (_norm(g) + 1e-12)
         eps = jax.tree.map(lambda x: jax.lax.stop_gradient(scale * x).astype(x.dtype), g)
         return mlm_loss(jax.tree.map(jnp.add, params, eps), group, apply_fn, key), plain
