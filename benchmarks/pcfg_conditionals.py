@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.languages.pcfg import PCFG, dense_grammar, random_grammar
+from flatlm.languages.pcfg.chart import has_wide_blocks
 from flatlm.languages.pcfg.engine import bucket
 
 
@@ -48,15 +49,17 @@ def executed_flops(g: PCFG, lengths: np.ndarray) -> float:
     for a in range(0, len(order), g.batch_size):
         chunk = order[a: a + g.batch_size]
         T = pcfg_bucket(g, int(chunk.max()))
-        B = min(g.batch_size, 1 << max(0, (len(chunk) - 1).bit_length()))
         plan = g._plan(T)
-        per_sentence = 2.0 * T * g.num_nonterminals * g.vocab_size
+        batch_minor = not has_wide_blocks(plan)  # its outside pass multiplies each block's own parents only
+        N = g.num_nonterminals
+        per_sentence = 2.0 * T * N * g.vocab_size
         for w, spec in plan.widths.items():
             I = T - w + 1
-            P = sum((k.l1 - k.l0) * (k.r1 - k.r0) for k in spec.blocks)
+            gemm = sum((k.l1 - k.l0) * (k.r1 - k.r0) * (N + ((k.n1 - k.n0) if batch_minor else N))
+                       for k in spec.blocks)  # inside + outside
             outer = sum(2 * (k.l1 - k.l0) * (k.r1 - k.r0) * (k.d1 - k.d0 + 1) for k in spec.blocks)
-            per_sentence += I * (2 * 2 * P * g.num_nonterminals + 3 * outer)  # GEMM in + out, 3 outer passes
-        total += B * per_sentence
+            per_sentence += I * (2 * gemm + 3 * outer)  # GEMMs, 3 outer passes
+        total += g.batch_size * per_sentence  # every chunk is padded to the batch
     return total
 
 

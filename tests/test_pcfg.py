@@ -346,21 +346,21 @@ def test_length_two_batches_and_bucketing_agree_with_reference(layered):
                                layered.conditionals(tokens, corpus.lengths[pick]), rtol=1e-5, atol=1e-7)
 
 
-def test_a_partial_chunk_reuses_its_charts_compiled_batch_with_the_same_bits(layered):
-    """A last, smaller chunk is padded to the batch its chart size already has, within a call and across calls (a
-    chart compiles in seconds, padded rows cost microseconds); the padded batch gives each sentence bitwise the
-    conditionals a smaller batch gives it."""
+def test_every_chunk_is_padded_to_the_batch_so_a_sentence_gets_the_same_bits_in_any_call(layered):
+    """A last, smaller chunk is padded to the grammar's batch, within a call and across calls: one compiled program
+    per chart size (a chart compiles in seconds, padded rows cost microseconds), and a sentence's conditionals are
+    bitwise the same whichever call, and whichever calls before it, it comes in (`Engine.run`)."""
     corpus = layered.sample(64, seed=5)
     tokens, lengths = corpus.tokens[:11], corpus.lengths[:11]
     grammars = {}
-    for name, first in (("padded", 11), ("small", 3)):  # "small" compiles its batch for 3 sentences (4) first
+    for name, first in (("padded", 11), ("small", 3)):  # "small" runs 3 sentences first
         g = PCFG(layered.root, layered.binary, layered.emit, batch_size=8, bucket_lengths=False)
         grammars[name] = (g, g.conditionals(tokens[:first], lengths[:first]))
     g, q_11 = grammars["padded"]
     q_3 = g.conditionals(tokens[8:], lengths[8:])  # after the 8 + 3 call: the chart's batch of 8 again
     assert [len(fn.executables) for fn in g._engine._fns.values()] == [1]  # 11 = 8 + 3 and then 3: one batch
     np.testing.assert_array_equal(q_3, q_11[8:])
-    np.testing.assert_array_equal(grammars["small"][1], q_11[:3])  # batch 4 and batch 8: the same bits
+    np.testing.assert_array_equal(grammars["small"][1], q_11[:3])  # 3 of 8 rows and 8 of 8: the same bits
     for b, words in enumerate(sentences_of(tokens, lengths, 8)[8:]):
         np.testing.assert_allclose(q_3[b, : len(words)], ref_conditionals(layered, words), rtol=1e-5, atol=1e-7)
 

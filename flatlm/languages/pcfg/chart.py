@@ -1,12 +1,12 @@
-"""Batched inside / outside in JAX: the scaled inside chart of a batch, its hand-written outside pass, and the
-four kernels built on them (`KERNELS`): forward (P(x) and prefix inside values), conditionals (Appendix A.2's
-true conditionals P(x_t = w | x_-t) for every position and word), span posteriors, and length masses.
+"""Batched inside / outside in JAX: the scaled inside chart of a batch and its hand-written outside pass, with
+each span's nonterminals as the minor axis (`Chart`: the layout of grammars with wide blocks, the dense ones;
+`flatlm.languages.pcfg.chart_small` holds the batch-minor layout of grammars of small blocks, and
+`flatlm.languages.pcfg.kernels` the kernels built on either).
 
 Each span keeps its inside vector divided by its maximum, with the log of that scale beside it, so float32
 is exact to rounding and the grammar's exact zeros stay exact zeros. The chart is linear in each position's
 leaf vector, so the derivative of the root value with respect to the leaf vectors -- the outside pass, the
-mirror image of the inside pass -- gives P(x_-t, x_t = w) / P(x) for every t and w at once. A kernel takes a
-`Plan` (static, bound with functools.partial before jit) and its `consts`.
+mirror image of the inside pass -- gives P(x_-t, x_t = w) / P(x) for every t and w at once.
 """
 
 from __future__ import annotations
@@ -206,63 +206,3 @@ class Chart:
                 adj_end = _add(adj_end, (w - 1, 0, w - spec.d0 - b, k.r0), jax.lax.rev(gr, (2,)))
         raise AssertionError("unreachable")
 
-
-def _leaves(consts, tokens_BT):
-    """Leaf vectors [T, B, N]: emit[:, w] per word, zeros for pad (id V), emit.sum(1) for mask (id V + 1)."""
-    return consts["emit_ext"][tokens_BT.T]  # [T, B, N]
-
-
-def _kernel_forward(plan: Plan, consts, tokens_BT, lengths_B):
-    """The inside pass: scaled P(x) and the prefix spans' inside vectors, with their log scales."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
-    z_B, log_B, _ = chart.root_value(lengths_B)
-    prefix_BTN, prefix_log_BT = chart.prefixes()
-    return {"z": z_B, "log_scale": log_B, "prefix": prefix_BTN, "prefix_log_scale": prefix_log_BT,
-            "leaf_log_scale": chart.leaf_log_TB.T}
-
-
-def _kernel_conditionals(plan: Plan, consts, tokens_BT, lengths_B):
-    """q [B, T, V] = P(x_t = w | x_-t) (Appendix A.2), zero beyond each length and where no sentence fits."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
-    _, _, sel_BT = chart.root_value(lengths_B)
-    # The chart is linear in each leaf: (d z / d leaf[t]) . emit[:, w] = P(x_-t, x_t = w) * (a per-sentence
-    # constant, the inverse of all the chart's scales), which the normalisation over w removes.
-    g_TBN = chart.outside(sel_BT)
-    T = tokens_BT.shape[1]
-    joint_BTV = _dot(jnp.swapaxes(g_TBN, 0, 1), consts["emit"])
-    total_BT = joint_BTV.sum(-1)
-    valid_BT = (total_BT > 0) & (jnp.arange(T)[None, :] < lengths_B[:, None])
-    q_BTV = joint_BTV / jnp.where(valid_BT, total_BT, 1)[..., None]
-    return {"q": jnp.where(valid_BT[..., None], jnp.maximum(q_BTV, 0), 0)}
-
-
-def _kernel_posteriors(plan: Plan, consts, tokens_BT, lengths_B):
-    """P(A spans [i, i + w) | x) by inside-outside, as post [B, start, width - 1, N]."""
-    chart = Chart(plan, consts, _leaves(consts, tokens_BT))
-    z_B, _, sel_BT = chart.root_value(lengths_B)
-    T = chart.T
-    post = {}
-
-    def on_width(w, adj_IBN):  # P(A spans [i, i+w) | x) = beta' * (d z / d beta') / z
-        post[w] = jnp.pad(chart.width(w) * adj_IBN / z_B[:, None], ((0, w - 1), (0, 0), (0, 0)))
-
-    chart.outside(sel_BT, on_width)
-    post_TTBN = jnp.stack([post[w] for w in range(1, T + 1)])  # [width - 1, start, B, N]
-    return {"post": jnp.transpose(post_TTBN, (2, 1, 0, 3))}  # [B, T (start), T (width - 1), N]
-
-
-def _kernel_lengths(plan: Plan, consts, leaf_BTN):
-    """Scaled root value, its log scale and the leaf log scales [B, T] of every prefix of the given leaves."""
-    chart = Chart(plan, consts, jnp.swapaxes(leaf_BTN, 0, 1))
-    prefix_BTN, log_BT = chart.prefixes()
-    return prefix_BTN @ consts["root"], log_BT, chart.leaf_log_TB.T
-
-
-KERNELS = {  # kind -> kernel(plan, consts, ...); bound to a plan and jitted by `flatlm.languages.pcfg.engine`
-    "forward": _kernel_forward, "conditionals": _kernel_conditionals,
-    "posteriors": _kernel_posteriors, "lengths": _kernel_lengths,
-}
-
-
-# Per kernel output, its axes of the chart's size T (chunks of different T are zero-padded to the largest).
-TIME_AXES = {"q": (1,), "prefix": (1,), "prefix_log_scale": (1,), "leaf_log_scale": (1,), "post": (1, 2)}

@@ -22,7 +22,8 @@ import numpy as np
 
 from flatlm.compile_options import CHART, CHART_SMALL_DOTS, chart_options, compile_lowered
 from flatlm.languages.base import host_outputs, special_ids, start_host_copy
-from flatlm.languages.pcfg.chart import KERNELS, TIME_AXES, has_wide_blocks
+from flatlm.languages.pcfg.chart import has_wide_blocks
+from flatlm.languages.pcfg.kernels import KERNELS, TIME_AXES
 from flatlm.languages.pcfg.plan import Plan
 
 
@@ -86,10 +87,6 @@ def compile_all(pairs: list) -> None:
         exes = [fn._compile(args) for fn, args in jobs]
     for (fn, args), exe in zip(jobs, exes):
         fn.executables[fn._key(args)] = exe
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def bucket(length: int) -> int:
@@ -174,7 +171,6 @@ class Engine:
         self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
-        self._batches: dict = {}  # (kind, chart size, dtype) -> the batch sizes `run` has padded its chunks to
 
     def plan(self, T: int) -> Plan:
         """The static plan of a chart of T words in the current default dtype."""
@@ -198,9 +194,16 @@ class Engine:
         """Apply a jitted kernel in chunks of sentences of similar length; outputs in the input order.
 
         `tokens` int32[n, T] and `lengths` as `encode_tokens` returns them. Chunks hold `batch_size`
-        sentences (padded to a power of 2); with `bucket_lengths` the sentences are sorted by length and each
+        sentences, a partial one padded to it; with `bucket_lengths` the sentences are sorted by length and each
         chunk's chart is sized by `bucket`, else every chart has the tokens' width T (one compile).
         Time axes of the outputs have size max(T, largest chart size used); callers slice them to T.
+
+        Every chunk has the same batch, so each chart size compiles one program, and a sentence's outputs depend
+        on its chart size only: not on the other sentences of its call, nor on earlier calls. XLA:CPU picks its
+        matmul kernel by the operands' sizes, and kernels for different sizes round differently (a column of
+        [10, 100] x [100, M] moved by ~1e-7 relative between M = 96 and M = 4096, 2026-11-29), while at one size
+        a column's value does not depend on its place (tests/test_pcfg_layouts.py). A padded row costs ~70 us
+        (released grammar) to ~5 ms (dense, 32 words) of compute; a new batch would cost seconds of compile.
         """
         n, T_in = tokens.shape
         order = np.argsort(lengths, kind="stable") if bucket_lengths else np.arange(n)
@@ -210,13 +213,9 @@ class Engine:
         else:
             sizes = [max(T_in, 1)] * len(chunks)
         T_max = max([T_in, *sizes])
-        batch = {}  # chart size -> the one batch its chunks are padded to (a partial chunk compiles nothing new)
-        for idx, T in zip(chunks, sizes):
-            batch[T] = max(batch.get(T, 0), min(batch_size, _next_pow2(len(idx))))
-        batch = {T: self._compiled_batch(kind, T, B, batch_size) for T, B in batch.items()}
         calls = []
+        B = batch_size
         for idx, T in zip(chunks, sizes):
-            B = batch[T]
             tok_BT = np.full((B, T), self.vocab_size, np.int32)  # pad id = V
             width = min(T, T_in)
             tok_BT[: len(idx), :width] = tokens[idx, :width]
@@ -235,16 +234,6 @@ class Engine:
                     results[k] = np.zeros([n, *shape], v.dtype)
                 results[k][(idx, *(slice(0, s) for s in v.shape[1:]))] = v
         return results
-
-    def _compiled_batch(self, kind: str, T: int, B: int, batch_size: int) -> int:
-        """B, or the smallest batch in [B, batch_size] that `run` already used (hence compiled) at chart size T,
-        which is then recorded: a chart compiles in seconds on CPU, a padded row costs ~70 us (released grammar) to
-        ~5 ms (dense, 32 words). A sentence's conditionals do not depend on the batch it is in (bitwise in
-        tests/test_pcfg.py)."""
-        used = self._batches.setdefault((kind, T, self.plan(T).dtype.name), set())
-        B = min([b for b in used if B <= b <= batch_size], default=B)
-        used.add(B)
-        return B
 
     def length_distribution(self, L: int) -> np.ndarray:
         """float[L+1]: P(length = l) for l = 0..L, by one inside pass over all-ones leaves (emit.sum(1))."""
