@@ -78,7 +78,9 @@ def compile_all(pairs: list) -> None:
         key = (id(fn), fn._key(args))
         if fn._key(args) not in fn.executables and key not in todo:
             todo[key] = (fn, args)
-    jobs = list(todo.values())
+    # Largest programs first (longest job first): with three chart sizes on two threads, the largest one
+    # no longer waits alone at the end for a thread.
+    jobs = sorted(todo.values(), key=lambda job: -sum(np.size(a) for a in jax.tree.leaves(job[1])))
     compile_job = _with_callers_x64(lambda job: job[0]._compile(job[1]))
     if len(jobs) > 1:
         with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cores())) as pool:
