@@ -65,7 +65,31 @@ _NEG = -1e30  # log scale of widths no nonterminal can span: their split weight 
 _MAX_UP = 60.0  # cap on a split weight's log above the reference: exp stays finite in float32 (< e^88)
 
 
-class Chart:
+class ChartBase:
+    """What both chart layouts share (`Chart` here, `chart_small.SmallBlockChart`): the root value read from the
+    prefix spans, and the width loop. A subclass sets plan, consts, T, B, scale and by_start and defines
+    `prefixes`, `children` and `_fill`."""
+
+    def root_value(self, lengths_B):
+        """z [B] (scaled) and log scale [B] with P(x) = z exp(scale + sum of leaf log scales), and the
+        one-hot sel [B, T] of length - 1."""
+        prefix_BTN, log_BT = self.prefixes()
+        sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
+        z_BT = _dot(prefix_BTN, self.consts["root"])
+        return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
+
+    def _width(self, w: int) -> None:
+        """Spans of width w: none where no nonterminal spans w words (the chart's zeros and _NEG log scales stay,
+        scale 1), else `_fill` from their children."""
+        spec = self.plan.widths.get(w)
+        if spec is None:
+            self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
+            return
+        left, right, _, top_IB = self.children(w, spec)
+        self._fill(w, spec, left, right, top_IB)
+
+
+class Chart(ChartBase):
     """The scaled inside chart of a batch, plus the outside pass written by hand.
 
     by_start[i, b, w-1] and by_end[j-1, b, w-1] both hold span [i, j = i + w) of sentence b as [N + 2]:
@@ -119,13 +143,9 @@ class Chart:
         left, right = jax.lax.optimization_barrier((left[..., :N] * f_IBD[..., None], right[..., :N]))
         return left, right, f_IBD, top_IB
 
-    def _width(self, w: int) -> None:
-        spec = self.plan.widths.get(w)
-        if spec is None:  # no nonterminal spans w words: the zeros (and _NEG log scales) stay
-            self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
-            return
+    def _fill(self, w: int, spec: Width, left, right, top_IB) -> None:
+        """Spans of width w from their children (`children`), written into by_start and by_end."""
         I, B, N = self.T - w + 1, self.B, self.N
-        left, right, _, top_IB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:
             if _wide(k):  # sum over splits of outer products: batched matmuls
@@ -156,14 +176,6 @@ class Chart:
     def width(self, w: int):
         """beta' [I, B, N] of all spans of width w."""
         return self.by_start[: self.T - w + 1, :, w - 1, : self.N]
-
-    def root_value(self, lengths_B):
-        """z [B] (scaled) and log scale [B] with P(x) = z exp(scale + sum of leaf log scales), and the
-        one-hot sel [B, T] of length - 1."""
-        prefix_BTN, log_BT = self.prefixes()
-        sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
-        z_BT = _dot(prefix_BTN, self.consts["root"])
-        return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
 
     def outside(self, sel_BT, on_width=None):
         """The outside pass: d z / d beta' for every span, widths T..1 (z = the scaled root value).

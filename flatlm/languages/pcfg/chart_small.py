@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, _dot, _tree
+from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _dot, _tree
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
@@ -41,12 +41,12 @@ def _normalise(new_NM):
     return new_NM / s_M, s_M, mass_M
 
 
-class SmallBlockChart:
+class SmallBlockChart(ChartBase):
     """The inside chart of a batch, batch minor: by_start[W, E, i, b] holds span [i, i + W + 1) of sentence b and
     by_end[W, E, j - 1, b] span [j - W - 1, j), each as beta' [N], its log scale and its mass flag (`Chart`).
 
-    The interface (`prefixes`, `width`, `root_value`, `outside`, `scale`, `leaf_log_TB`) and its shapes are
-    `Chart`'s, so the kernels of `flatlm.languages.pcfg.kernels` run on either.
+    The interface (`prefixes`, `width`, `root_value` from `ChartBase`, `outside`, `scale`, `leaf_log_TB`) and its
+    shapes are `Chart`'s, so the kernels of `flatlm.languages.pcfg.kernels` run on either.
     """
 
     def __init__(self, plan: Plan, consts, leaf_TBN):
@@ -82,13 +82,9 @@ class SmallBlockChart:
         left, right = jax.lax.optimization_barrier((left[:, :N] * f_DIB[:, None], right[:, :N]))
         return left, right, f_DIB, top_IB
 
-    def _width(self, w: int) -> None:
-        spec = self.plan.widths.get(w)
-        if spec is None:  # no nonterminal spans w words: the zeros (and _NEG log scales) stay
-            self.scale[w] = jnp.ones((self.T - w + 1, self.B), self.by_start.dtype)
-            return
+    def _fill(self, w: int, spec: Width, left, right, top_IB) -> None:
+        """Spans of width w from their children (`children`), written into by_start and by_end."""
         I, B, N = self.T - w + 1, self.B, self.N
-        left, right, _, top_IB = self.children(w, spec)
         pairs = []
         for k in spec.blocks:  # outer products summed over splits, one elementwise loop over [L, R, I, B]
             outer_LRIB = _tree(jnp.add, [left[d - spec.d0, k.l0:k.l1, None] * right[d - spec.d0, None, k.r0:k.r1]
@@ -112,13 +108,6 @@ class SmallBlockChart:
     def width(self, w: int):
         """beta' [I, B, N] of all spans of width w."""
         return jnp.transpose(self.by_start[w - 1, : self.N, : self.T - w + 1], (1, 2, 0))
-
-    def root_value(self, lengths_B):
-        """`Chart.root_value`: z [B], log scale [B] and the one-hot sel [B, T] of length - 1."""
-        prefix_BTN, log_BT = self.prefixes()
-        sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
-        z_BT = _dot(prefix_BTN, self.consts["root"])
-        return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
 
     def outside(self, sel_BT, on_width=None):
         """`Chart.outside`: d z / d leaf [T, B, N]; `on_width(w, adj [I, B, N])` sees each width's adjoint."""
