@@ -20,17 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _dot, _tree
+from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _dot, _read, _tree
 from flatlm.languages.pcfg.plan import Plan, Width
-
-
-def _box(x, start: tuple[int, ...], size: tuple[int, ...]):
-    return jax.lax.slice(x, start, tuple(a + b for a, b in zip(start, size)))
-
-
-def _add(x, start: tuple[int, ...], y):
-    """x with y added into the box at `start` (in place under XLA)."""
-    return jax.lax.dynamic_update_slice(x, _box(x, start, y.shape) + y, start)
 
 
 def _normalise(new_NM):
@@ -73,8 +64,8 @@ class SmallBlockChart(ChartBase):
         """left * f, right [D, N, I, B] (beta') for splits d0..d1, split weights f [D, I, B] and their max log
         scale top [I, B]: `Chart.children`, batch minor."""
         I, D, B, N = self.T - w + 1, spec.d1 - spec.d0 + 1, self.B, self.N
-        left = _box(self.by_start, (spec.d0 - 1, 0, 0, 0), (D, N + 2, I, B))
-        right = jax.lax.rev(_box(self.by_end, (w - spec.d1 - 1, 0, w - 1, 0), (D, N + 2, I, B)), (0,))
+        left = _read(self.by_start, (spec.d0 - 1, 0, 0, 0), (D, N + 2, I, B))
+        right = jax.lax.rev(_read(self.by_end, (w - spec.d1 - 1, 0, w - 1, 0), (D, N + 2, I, B)), (0,))
         lsum_DIB = left[:, N] + right[:, N]
         live_DIB = left[:, N + 1] * right[:, N + 1] > 0  # see `Chart.children` for the reference scale
         top_IB = jnp.where(live_DIB.any(0), jnp.where(live_DIB, lsum_DIB, -jnp.inf).max(0), lsum_DIB.max(0))
