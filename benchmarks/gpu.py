@@ -232,14 +232,20 @@ def with_transfer(how: str, call):
 
 def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("pageable",)) -> dict:
     """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out), at each
-    inference chunk size (default 4096) and host transfer."""
+    inference chunk size (default 4096), host transfer and chart layout (the batch-minor one is the CPU's default
+    and not yet measured on an accelerator, whose default stays symbol minor: `kernels.default_layout`)."""
     n_pcfg = 256 if small else 16384
 
-    def row(chunk):
+    def one(chunk, layout):
         g = random_grammar(0, batch_size=chunk)
+        g._engine.layout = layout
         c = g.sample(n_pcfg, seed=1)
-        return {f"pcfg released-shape, chunk {chunk}, {how}": with_transfer(how, lambda: throughput(
+        return {f"pcfg released-shape, chunk {chunk}, {layout}, {how}": with_transfer(how, lambda: throughput(
             lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)) for how in transfers}
+
+    def row(chunk):  # --small (the tests' toy run) forces the one layout
+        return {k: v for layout in (("batch_minor",) if small else ("symbol_minor", "batch_minor"))
+                for k, v in one(chunk, layout).items()}
 
     return per_chunk(row, chunks or [256 if small else 4096])
 

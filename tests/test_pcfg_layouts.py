@@ -100,3 +100,20 @@ def test_a_sentences_bits_do_not_depend_on_its_place_in_the_chunk(name, request)
     q = g.conditionals(tokens, lengths)
     np.testing.assert_array_equal(g.conditionals(tokens[::-1], lengths[::-1])[::-1], q)
     np.testing.assert_array_equal(g.conditionals(tokens[3:], lengths[3:]), q[3:])
+
+
+def test_the_default_layout_and_a_grammar_forced_to_the_other(layered, wide, monkeypatch):
+    """On the CPU backend a plan of small blocks gets the batch-minor chart and a plan with wide blocks the
+    symbol-minor one; an accelerator keeps symbol minor for both (not yet measured there). `Engine.layout` forces a
+    layout on a grammar's kernels: the same conditionals, a kernel of its own."""
+    assert kernels.default_layout(layered._plan(7)) == "batch_minor"
+    assert kernels.default_layout(wide._plan(5)) == "symbol_minor"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kernels.default_layout(layered._plan(7)) == "symbol_minor"
+    monkeypatch.undo()
+    tokens, lengths = _batch(layered, seed=3)
+    forced = PCFG(layered.root, layered.binary, layered.emit, batch_size=8, bucket_lengths=False, max_length=7)
+    forced._engine.layout = "symbol_minor"
+    np.testing.assert_allclose(forced.conditionals(tokens, lengths), layered.conditionals(tokens, lengths),
+                               rtol=1e-5, atol=1e-7)
+    assert [key[-1] for key in forced._engine._fns] == ["symbol_minor"]

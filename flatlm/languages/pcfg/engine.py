@@ -170,6 +170,7 @@ class Engine:
     def __init__(self, root_N, binary_NNN, emit_NV):
         self.root, self.binary, self.emit = root_N, binary_NNN, emit_NV
         self.workers: int | None = None
+        self.layout: str | None = None  # the charts' memory layout (`kernels.LAYOUTS`); None: `kernels.default_layout`
         self.vocab_size = int(emit_NV.shape[1])
         self._plans: dict = {}
         self._fns: dict = {}
@@ -186,9 +187,10 @@ class Engine:
         """The kernel `kind` (a key of `KERNELS`) for charts of T words, called as fn(plan.consts, ...)."""
         plan = self.plan(T)
         key = (kind, T, plan.dtype.name)
+        key = (*key, self.layout)
         if key not in self._fns:  # GEMM autotuning (GPU) only where batched matmuls gain from it
             options = CHART if has_wide_blocks(plan) else CHART_SMALL_DOTS
-            self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan), options)
+            self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan, layout=self.layout), options)
         return self._fns[key]
 
     def run(self, kind: str, tokens: np.ndarray, lengths: np.ndarray, batch_size: int,

@@ -2,13 +2,14 @@
 conditionals P(x_t = w | x_-t) for every position and word), span posteriors, and length masses.
 
 A kernel takes a `Plan` (static, bound with functools.partial before jit), its `consts` and the batch, and builds
-the chart of the plan's layout (`new_chart`): nonterminals minor (`chart.Chart`) for grammars with wide blocks,
-batch minor (`chart_small.SmallBlockChart`) for grammars of small blocks. `layout` forces one of the two; both give
-the same numbers (tests/test_pcfg_layouts.py).
+the chart in one of two layouts (`new_chart`): nonterminals minor (`chart.Chart`) or batch minor
+(`chart_small.SmallBlockChart`, for grammars of small blocks on the CPU; `default_layout`). `layout` forces one;
+both give the same numbers (tests/test_pcfg_layouts.py).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flatlm.languages.pcfg.chart import Chart, _dot, has_wide_blocks
@@ -18,11 +19,15 @@ from flatlm.languages.pcfg.plan import Plan
 LAYOUTS = {"symbol_minor": Chart, "batch_minor": SmallBlockChart}
 
 
+def default_layout(plan: Plan) -> str:
+    """Batch minor for a plan of small blocks on the CPU backend (where it was measured faster: RESULTS.md,
+    2026-11-29 afternoon), else symbol minor: dense grammars, and accelerators until it is measured on one."""
+    return "batch_minor" if not has_wide_blocks(plan) and jax.default_backend() == "cpu" else "symbol_minor"
+
+
 def new_chart(plan: Plan, consts, leaf_TBN, layout: str | None = None):
-    """The inside chart of leaves [T, B, N] in `layout` (a key of LAYOUTS; None: by the plan's blocks)."""
-    if layout is None:
-        layout = "symbol_minor" if has_wide_blocks(plan) else "batch_minor"
-    return LAYOUTS[layout](plan, consts, leaf_TBN)
+    """The inside chart of leaves [T, B, N] in `layout` (a key of LAYOUTS; None: `default_layout`)."""
+    return LAYOUTS[layout or default_layout(plan)](plan, consts, leaf_TBN)
 
 
 def _leaves(consts, tokens_BT):
