@@ -117,3 +117,6 @@ def test_the_default_layout_and_a_grammar_forced_to_the_other(layered, wide, mon
     np.testing.assert_allclose(forced.conditionals(tokens, lengths), layered.conditionals(tokens, lengths),
                                rtol=1e-5, atol=1e-7)
     assert [key[-1] for key in forced._engine._fns] == ["symbol_minor"]
+    forced._engine.layout = "rows"
+    with pytest.raises(ValueError, match="unknown chart layout 'rows'"):
+        forced.conditionals(tokens, lengths)

@@ -27,6 +27,8 @@ def default_layout(plan: Plan) -> str:
 
 def new_chart(plan: Plan, consts, leaf_TBN, layout: str | None = None):
     """The inside chart of leaves [T, B, N] in `layout` (a key of LAYOUTS; None: `default_layout`)."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"unknown chart layout {layout!r}: use one of {sorted(LAYOUTS)} or None (the default)")
     return LAYOUTS[layout or default_layout(plan)](plan, consts, leaf_TBN)
 
 
