@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.languages.pcfg import PCFG, dense_grammar, random_grammar
-from flatlm.languages.pcfg.chart import has_wide_blocks
 from flatlm.languages.pcfg.engine import bucket
+from flatlm.languages.pcfg.kernels import default_layout
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -50,7 +50,7 @@ def executed_flops(g: PCFG, lengths: np.ndarray) -> float:
         chunk = order[a: a + g.batch_size]
         T = pcfg_bucket(g, int(chunk.max()))
         plan = g._plan(T)
-        batch_minor = not has_wide_blocks(plan)  # its outside pass multiplies each block's own parents only
+        batch_minor = default_layout(plan) == "batch_minor"  # its outside pass multiplies each block's parents only
         N = g.num_nonterminals
         per_sentence = 2.0 * T * N * g.vocab_size
         for w, spec in plan.widths.items():

@@ -205,7 +205,7 @@ class Engine:
         Every chunk has the same batch, so each chart size compiles one program, and a sentence's outputs depend
         on its chart size only: not on the other sentences of its call, nor on earlier calls. XLA:CPU picks its
         matmul kernel by the operands' sizes, and kernels for different sizes round differently (a column of
-        [10, 100] x [100, M] moved by ~1e-7 relative between M = 96 and M = 4096, 2026-11-29), while at one size
+        [10, 100] x [100, M] moved by ~5e-7 relative between M = 96 and M = 4096, 2026-11-29), while at one size
         a column's value does not depend on its place (tests/test_pcfg_layouts.py). A padded row costs ~70 us
         (released grammar) to ~5 ms (dense, 32 words) of compute; a new batch would cost seconds of compile.
         """
