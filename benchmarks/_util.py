@@ -16,13 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from flatlm.cpu_codegen import usable_cpus
+
 
 def cpu_count() -> int:
-    """CPUs this process may run on (what XLA's CPU thread pool sizes itself to)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """CPUs this process may run on (what XLA's CPU thread pool sizes itself to): `flatlm.cpu_codegen.usable_cpus`."""
+    return usable_cpus()
 
 
 def load_line() -> str:

@@ -58,15 +58,15 @@ def test_both_layouts_give_every_kernel_the_same_numbers(name, request):
     assert has_wide_blocks(g._plan(g.max_length)) == (name == "wide")
     with jax.enable_x64(True):
         tokens, lengths = _batch(g, seed=1)
-        for kind in ("forward", "conditionals", "posteriors"):
-            a, b = _run_both(g, kind, tokens, lengths)
+        outputs = {kind: _run_both(g, kind, tokens, lengths) for kind in ("forward", "conditionals", "posteriors")}
+        for kind, (a, b) in outputs.items():
             assert set(a) == set(b)
             for key in a:
                 x, y = np.asarray(a[key]), np.asarray(b[key])
                 assert x.shape == y.shape, (kind, key)
                 np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14 * max(np.abs(x).max(), 1e-300),
                                            err_msg=f"{kind}: {key}")
-        assert np.asarray(_run_both(g, "conditionals", tokens, lengths)[1]["q"]).sum() > 0
+        assert np.asarray(outputs["conditionals"][1]["q"]).sum() > 0
         plan = g._plan(g.max_length)
         leaf_1TN = np.broadcast_to(np.asarray(plan.consts["leaf_total"]), (1, g.max_length, g.num_nonterminals))
         for x, y in zip(*_run_both(g, "lengths", leaf_1TN)):
@@ -86,7 +86,6 @@ def test_each_block_holds_its_rules_in_its_parent_rows(layered):
             assert (k.n0, k.n1) == (rows.min(), rows.max() + 1), (w, k)
             narrower += k.n1 - k.n0 < layered.num_nonterminals
         assert p == G_PN.shape[0]
-        np.testing.assert_array_equal(np.asarray(plan.consts["G_T"][w]), G_PN.T)
     assert narrower > 0  # a layered grammar's blocks feed one layer each
 
 

@@ -82,7 +82,9 @@ class SmallBlockChart(ChartBase):
                                          for d in range(k.d0, k.d1 + 1)])
             pairs.append(outer_LRIB.reshape(-1, I * B))
         pairs_PM = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, 0)
-        new_NM = _dot(self.consts["G_T"][w], pairs_PM)  # one matmul (one per block: ~13 % faster, 40 % more compile)
+        # One matmul, G [P, N] contracted over P as it is stored (one per block: ~13 % faster, 40 % more compile).
+        new_NM = jax.lax.dot_general(self.consts["G"][w], pairs_PM, (((0,), (0,)), ((), ())),
+                                     precision=jax.lax.Precision.HIGHEST)
         beta_NM, s_M, mass_M = _normalise(new_NM)
         s_IB = s_M.reshape(I, B)
         self.scale[w] = s_IB

@@ -14,13 +14,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flatlm.compile_options import CHART, CHART_SMALL_DOTS, chart_options, compile_lowered
+from flatlm.cpu_codegen import usable_cpus
 from flatlm.languages.base import host_outputs, special_ids, start_host_copy
 from flatlm.languages.pcfg.chart import has_wide_blocks
 from flatlm.languages.pcfg.kernels import KERNELS, TIME_AXES
@@ -83,7 +83,7 @@ def compile_all(pairs: list) -> None:
     jobs = sorted(todo.values(), key=lambda job: -sum(np.size(a) for a in jax.tree.leaves(job[1])))
     compile_job = _with_callers_x64(lambda job: job[0]._compile(job[1]))
     if len(jobs) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cores())) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cpus())) as pool:
             exes = list(pool.map(compile_job, jobs))
     else:
         exes = [fn._compile(args) for fn, args in jobs]
@@ -127,11 +127,6 @@ def encode_tokens(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
     return np.where(inside_nT, tokens, V).astype(np.int32), lengths
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under `taskset`; else every core)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def default_workers() -> int:
     """Chunks `Engine.run` applies at once: on the CPU backend one per core this process may use, elsewhere 1.
 
@@ -139,7 +134,7 @@ def default_workers() -> int:
     whatever the intra-op pool's size (the dense grammar's chunk of 4 took 14.7 ms pinned to one core, 14.2 on
     two); independent chunks called from threads share the pool and fill the other cores. On an accelerator the
     chunks would share one device and each would hold its own temporaries: not measured, so not done there."""
-    return usable_cores() if jax.default_backend() == "cpu" else 1
+    return usable_cpus() if jax.default_backend() == "cpu" else 1
 
 
 def apply_chunks(calls: list, workers: int):
@@ -186,8 +181,7 @@ class Engine:
     def fn(self, kind: str, T: int) -> Compiled:
         """The kernel `kind` (a key of `KERNELS`) for charts of T words, called as fn(plan.consts, ...)."""
         plan = self.plan(T)
-        key = (kind, T, plan.dtype.name)
-        key = (*key, self.layout)
+        key = (kind, T, plan.dtype.name, self.layout)
         if key not in self._fns:  # GEMM autotuning (GPU) only where batched matmuls gain from it
             options = CHART if has_wide_blocks(plan) else CHART_SMALL_DOTS
             self._fns[key] = Compiled(functools.partial(KERNELS[kind], plan, layout=self.layout), options)

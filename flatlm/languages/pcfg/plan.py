@@ -34,8 +34,8 @@ class Block:
     r1: int
     d0: int
     d1: int
-    n0: int = 0  # parents n0..n1-1 hold every rule of the block (its rows of G outside them are zero)
-    n1: int = 0
+    n0: int  # parents n0..n1-1 hold every rule of the block (its rows of G outside them are zero)
+    n1: int
 
 
 class Plan:
@@ -65,7 +65,7 @@ class Plan:
                 feas_TN[w] |= np.any(rule_NNN & ok_NN[None], axis=(1, 2))
         self.feasible = feas_TN
         self.widths: dict[int, Width] = {}
-        consts = {"G": {}, "G_in": {}, "G_T": {}}
+        consts = {"G": {}, "G_in": {}}
         # The inside pass's product pairs [M, P] x G [P, N] runs faster with N padded by zero columns to a multiple
         # of 16 (XLA:CPU's GEMM tiles): [256, 2500] x [2500, 50] took 0.38-0.59 ms, x [2500, 64] 0.26-0.39 ms.
         N_in = -(-N // 16) * 16 if N > 16 else N
@@ -87,18 +87,17 @@ class Plan:
                 d_used = np.flatnonzero((split_DNN & own_NN).any((1, 2))) + 1
                 G_NLR = np.where(own_NN[None, l0:l1, r0:r1], binary_NNN[:, l0:l1, r0:r1], 0.0)
                 G_NLR[~feas_TN[w]] = 0.0
-                parents_used = np.flatnonzero(G_NLR.any((1, 2)))
-                n0, n1 = (int(parents_used.min()), int(parents_used.max()) + 1) if parents_used.size else (0, 1)
-                blocks.append(Block(int(l0), int(l1), int(r0), int(r1), int(d_used.min()), int(d_used.max()), n0, n1))
+                parents = np.flatnonzero(G_NLR.any((1, 2)))  # sorted; never empty (a block holds used rules)
+                blocks.append(Block(int(l0), int(l1), int(r0), int(r1), int(d_used.min()), int(d_used.max()),
+                                    int(parents[0]), int(parents[-1]) + 1))
                 cols.append(G_NLR.reshape(N, -1).T)
             self.widths[w] = Width(int(splits.min()), int(splits.max()), blocks)
             G_PN = np.concatenate(cols, 0)  # [P = sum of block sizes, N]
             key = (G_PN.shape, hashlib.blake2b(G_PN.tobytes()).digest())
             if key not in tables:  # widths with the same rule table share one array (see the class docstring)
                 tables[key] = (jnp.asarray(G_PN, dtype),  # the outside pass's (contracted over N: no padding)
-                               jnp.asarray(np.pad(G_PN, ((0, 0), (0, N_in - N))), dtype),  # [P, N_in]
-                               jnp.asarray(np.ascontiguousarray(G_PN.T), dtype))  # [N, P]: the batch-minor chart's
-            consts["G"][w], consts["G_in"][w], consts["G_T"][w] = tables[key]
+                               jnp.asarray(np.pad(G_PN, ((0, 0), (0, N_in - N))), dtype))  # [P, N_in]
+            consts["G"][w], consts["G_in"][w] = tables[key]
         self.N, self.V = N, int(emit_NV.shape[1])
         self.leaf_total = emit_NV.sum(1)
         consts["root"] = jnp.asarray(root_N, dtype)
