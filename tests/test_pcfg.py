@@ -1,14 +1,25 @@
 """PCFG language: exact inference against independent float64 recursions over parse trees, brute force over
 candidate words and whole sentence sets, sampling against exact probabilities, task labels against a
-per-sentence CKY, the rules-file format, and random_grammar's released shape."""
+per-sentence CKY (the references: tests/pcfg_reference.py; sampling's draws, parse trees, rules files, construction and
+random grammars: tests/test_pcfg_grammar.py)."""
 
-import functools
 import itertools
 import os
 
 import jax
 import numpy as np
 import pytest
+from pcfg_reference import (
+    dense_pcfg,
+    garbage_padded,
+    layered_pcfg,
+    ref_conditionals,
+    ref_inside,
+    ref_length_distribution,
+    ref_prob,
+    ref_span_joint,
+    sentences_of,
+)
 
 from flatlm.errors import UserError
 from flatlm.languages.base import special_ids
@@ -17,89 +28,12 @@ from flatlm.languages.pcfg import PCFG, dense_grammar, random_grammar
 
 @pytest.fixture(scope="module")
 def dense():
-    """N=3, V=4, every rule positive: every string is a sentence (recursive, capped at 6 words)."""
-    return dense_grammar(0, num_nonterminals=3, num_words=4, emit_prob=0.4, max_length=6, batch_size=16,
-                         bucket_lengths=False)
+    return dense_pcfg()
 
 
 @pytest.fixture(scope="module")
 def layered():
-    """Released shape in miniature: S1..S3 -> A1 A1, three layers of 3 symbols, 8 words, sentences of 2..8
-    words, and many exact zeros (each middle symbol emits a single word). Batches of 16 sentences at the
-    full width, so that every test reuses the same few compiled kernels."""
-    return random_grammar(1, num_roots=3, levels=3, symbols_per_level=3, num_words=8, rules_per_symbol=4,
-                          leaf_rules=4, batch_size=16, bucket_lengths=False)
-
-
-# ---- independent references (float64 numpy, one sentence at a time) -----------------------------------
-
-
-def ref_inside(g: PCFG, words) -> dict:
-    """inside[(i, j)][A] = P(A =>* words[i:j]) as the sum over all parse trees (word None: any word)."""
-
-    @functools.cache
-    def inside(i: int, j: int) -> np.ndarray:
-        if j == i + 1:
-            return g.emit.sum(1) if words[i] is None else g.emit[:, words[i]].copy()
-        total = np.zeros(g.num_nonterminals)
-        for k in range(i + 1, j):
-            total += np.einsum("abc,b,c->a", g.binary, inside(i, k), inside(k, j))
-        return total
-
-    return {(i, j): inside(i, j) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
-
-
-def ref_prob(g: PCFG, words) -> float:
-    return float(g.root @ ref_inside(g, words)[(0, len(words))]) if len(words) else 0.0
-
-
-def ref_conditionals(g: PCFG, words) -> np.ndarray:
-    """[L, V]: P(x_t = w | x_-t) from P(x)-ratios over the V candidate words (zeros if all are 0)."""
-    out = np.zeros((len(words), g.vocab_size))
-    for t in range(len(words)):
-        p = np.array([ref_prob(g, [*words[:t], w, *words[t + 1:]]) for w in range(g.vocab_size)])
-        out[t] = p / p.sum() if p.sum() > 0 else 0.0
-    return out
-
-
-def ref_span_joint(g: PCFG, words, A: int, i0: int, j0: int) -> float:
-    """P(x, some tree has node A over [i0, j0)): an inside pass restricted to trees containing that node."""
-    inside = ref_inside(g, words)
-    n = len(words)
-
-    @functools.cache
-    def constrained(i: int, j: int) -> np.ndarray:
-        if (i, j) == (i0, j0):
-            return np.eye(g.num_nonterminals)[A] * inside[(i, j)][A]
-        if not (i <= i0 and j0 <= j) or j - i <= j0 - i0:
-            return np.zeros(g.num_nonterminals)
-        total = np.zeros(g.num_nonterminals)
-        for k in range(i + 1, j):  # the node sits in exactly one of the two subtrees
-            if k <= i0:
-                total += np.einsum("abc,b,c->a", g.binary, inside[(i, k)], constrained(k, j))
-            elif k >= j0:
-                total += np.einsum("abc,b,c->a", g.binary, constrained(i, k), inside[(k, j)])
-        return total
-
-    return float(g.root @ constrained(0, n))
-
-
-def ref_length_distribution(g: PCFG, L: int) -> np.ndarray:
-    """P(length = l), l = 0..L, by the all-ones-leaf inside recursion in numpy."""
-    beta = {1: g.emit.sum(1)}
-    for w in range(2, L + 1):
-        beta[w] = sum(np.einsum("abc,b,c->a", g.binary, beta[d], beta[w - d]) for d in range(1, w))
-    return np.array([0.0] + [g.root @ beta[w] for w in range(1, L + 1)])
-
-
-def sentences_of(tokens, lengths, V):
-    return [[int(w) if w < V else None for w in tokens[b, :n]] for b, n in enumerate(lengths)]
-
-
-def garbage_padded(rng, tokens, lengths, V):
-    """Random word ids or pad beyond each length: inference must ignore them."""
-    garbage = rng.integers(0, V + 1, size=tokens.shape)
-    return np.where(np.arange(tokens.shape[1]) < lengths[:, None], tokens, garbage).astype(np.int32)
+    return layered_pcfg()
 
 
 def test_reference_probabilities_sum_to_length_distribution(dense):
@@ -272,64 +206,6 @@ def test_sample_length_histogram_matches_exact_distribution(layered):
     assert exact.sum() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["dense", "layered", "released"])
-def test_guided_rule_draws_are_the_binary_search_draws(name, request):
-    """The sampler's guide table + short scan picks, for every (symbol, u), the rule np.searchsorted(edge, symbol +
-    u, side="right") picks (the inverse CDF it replaced): random points, every bucket start, the float just below
-    each bucket start and just below each edge, so a corpus drawn from a seed is the same as before."""
-    from flatlm.languages.pcfg.sample import Sampler
-
-    g = random_grammar(0) if name == "released" else request.getfixturevalue(name)
-    sp = Sampler(g.root, g.binary, g.emit)
-    rng = np.random.default_rng(0)
-    N, G = sp.N, sp.GUIDE
-    starts = np.arange(G) / G
-    edge_sym = np.ceil(sp.edge).astype(np.int64) - 1  # edges of symbol A lie in (A, A + 1]
-    sym = np.concatenate([rng.integers(0, N, 100_000), np.repeat(np.arange(N), G), np.repeat(np.arange(N), G),
-                          edge_sym, edge_sym])
-    u = np.concatenate([rng.random(100_000), np.tile(starts, N), np.nextafter(np.tile(starts, N), -1).clip(0),
-                        np.nextafter(sp.edge - edge_sym, 0), (sp.edge - edge_sym) % 1.0])
-    want = np.minimum(np.searchsorted(sp.edge, sym + u, side="right"), sp.edge.size - 1)
-
-    class Fixed:  # rng.random(n) -> the points above
-        def random(self, n):
-            return u
-
-    np.testing.assert_array_equal(sp._rules(Fixed(), sym), want)
-    # a table with edges at and just above every bucket start, where a scan that started too far would skip one
-    offsets = np.unique(np.concatenate([starts[1:], starts[1:] + 1e-12, [1.0]]))
-    sp.edge = (np.arange(N)[:, None] + offsets[None, :]).reshape(-1)
-    sp._guide_table(N)
-    sym = np.repeat(np.arange(N), 2 * G)
-    u = np.tile(np.concatenate([starts, starts + 5e-13]), N)
-    want = np.minimum(np.searchsorted(sp.edge, sym + u, side="right"), sp.edge.size - 1)
-    np.testing.assert_array_equal(sp._rules(Fixed(), sym), want)
-
-
-def test_sample_returns_parse_trees(layered):
-    """The latent tree arrays describe a derivation of each sentence with positive probability."""
-    corpus = layered.sample(200, seed=11)
-    lat = corpus.latents
-    T = layered.max_length
-    for key in ("preterminal", "split_symbol", "split_start", "split_end"):
-        assert lat[key].shape == (200, T) and lat[key].dtype == np.int32
-    assert np.all(corpus.tokens[np.arange(T)[None] >= corpus.lengths[:, None]] == special_ids(8).pad)
-    for b in range(200):
-        n = int(corpus.lengths[b])
-        x, pre = corpus.tokens[b, :n], lat["preterminal"][b, :n]
-        assert np.all(layered.emit[pre, x] > 0) and np.all(lat["preterminal"][b, n:] == -1)
-        spans = {(t, t + 1): int(pre[t]) for t in range(n)}
-        for k in range(1, n):
-            i, j = int(lat["split_start"][b, k]), int(lat["split_end"][b, k])
-            assert i < k < j <= n
-            spans[(i, j)] = int(lat["split_symbol"][b, k])
-        assert lat["split_symbol"][b, 0] == -1 and np.all(lat["split_symbol"][b, n:] == -1)
-        assert layered.root[spans[(0, n)]] > 0
-        for k in range(1, n):
-            i, j = int(lat["split_start"][b, k]), int(lat["split_end"][b, k])
-            assert layered.binary[spans[(i, j)], spans[(i, k)], spans[(k, j)]] > 0
-
-
 def test_length_two_batches_and_bucketing_agree_with_reference(layered):
     """Length 2 with several rows (a past XLA:CPU miscompile), and length-bucketed chunking = one chunk."""
     bucketed = PCFG(layered.root, layered.binary, layered.emit, batch_size=8)
@@ -468,101 +344,3 @@ def test_task_labels_validation(layered):
         layered.task_labels(corpus.tokens, corpus.lengths, "D")
     with pytest.raises(ValueError, match="definition"):
         layered.task_labels(corpus.tokens, corpus.lengths, "A", definition="gold")
-
-
-# ---- rules files, construction, random grammars -----------------------------------------------------------
-
-
-def test_rules_file_round_trip(layered, tmp_path):
-    path = tmp_path / "rules.txt"
-    layered.to_rules_file(path)
-    back = PCFG.from_rules_file(path)
-    assert back.nonterminals == layered.nonterminals and back.words == layered.words
-    for name in ("root", "binary", "emit"):
-        np.testing.assert_allclose(getattr(back, name), getattr(layered, name), rtol=1e-12, atol=0)
-    assert back.max_length == layered.max_length
-
-
-def test_rules_file_sums_duplicates_renormalises_and_folds_root(tmp_path):
-    path = tmp_path / "rules.txt"
-    path.write_text("S S1 0.25\nS S2 0.75\nS1 A B 1.0\nS2 B A 0.5\nS2 B A 0.5\n"
-                    "A x 0.3\nA y 0.3\nA x 0.3\nB y 0.4\nB A B 0.5\n")
-    g = PCFG.from_rules_file(path, max_length=6)
-    assert g.nonterminals == ["S1", "S2", "A", "B"] and g.words == ["x", "y"]
-    np.testing.assert_allclose(g.root, [0.25, 0.75, 0, 0])
-    np.testing.assert_allclose(g.emit[2], [0.6 / 0.9, 0.3 / 0.9])  # duplicates summed, then renormalised
-    assert g.binary[1, 3, 2] == pytest.approx(1.0)
-    np.testing.assert_allclose(g.emit[3, 1] + g.binary[3, 2, 3], 1.0)
-    assert g.binary[3, 2, 3] == pytest.approx(0.5 / 0.9)
-    with pytest.raises(UserError, match="unbounded length; pass max_length"):
-        PCFG.from_rules_file(path)  # B -> A B is recursive
-
-
-@pytest.mark.parametrize("line, message", [
-    ("A1 w", "expected 'LHS RHS1 \\[RHS2\\] PROB'"),
-    ("A1 w 0.x", "probability '0.x' is not a number"),
-    ("A1 w -0.5", "must be finite and >= 0"),
-    ("A1 A1 Z 0.5", "'Z' has no rules of its own"),
-    ("A1 A1 0.5", "unary rule A1 -> A1"),
-])
-def test_rules_file_errors_name_the_line(tmp_path, line, message):
-    path = tmp_path / "bad.txt"
-    path.write_text(f"S A1 1.0\nA1 A1 A1 0.5\n\n{line}\nA1 w 0.5\n")
-    with pytest.raises(UserError, match=message) as err:
-        PCFG.from_rules_file(path)
-    assert f"{path}:4:" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_constructor_validates():
-    root, binary, emit = np.array([1.0, 0.0]), np.zeros((2, 2, 2)), np.array([[1.0, 0.0], [0.5, 0.4]])
-    with pytest.raises(ValueError, match="'N1' sum to 0.9"):
-        PCFG(root, binary, emit)
-    with pytest.raises(ValueError, match="binary must have shape"):
-        PCFG(root, binary[:1], emit)
-    with pytest.raises(ValueError, match="root must sum to 1"):
-        PCFG(root * 0.5, binary, np.array([[1.0, 0.0], [0.5, 0.5]]))
-    g = PCFG(root, binary, np.array([[1.0, 0.0], [0.5, 0.5]]))
-    assert (g.num_nonterminals, g.vocab_size, g.max_length) == (2, 2, 1)
-    with pytest.raises(ValueError, match="word ids"):
-        g.log_prob(np.array([[2]]), np.array([1]))
-
-
-def test_random_grammar_defaults_have_the_released_shape():
-    g = random_grammar(0)
-    assert (g.num_nonterminals, g.vocab_size, g.max_length) == (49, 200, 16)
-    assert g.nonterminals[:9] == [f"S{k}" for k in range(1, 10)] and g.nonterminals[-1] == "A4_9"
-    np.testing.assert_allclose(g.binary.reshape(49, -1).max(1)[:9], 1.0)  # Sk -> A1_i A1_j with prob 1
-    assert np.all((g.emit[9:39] > 0).sum(1) == 1) and np.all(g.emit[39:].sum(1) == pytest.approx(1.0))
-    assert np.all(g.binary[39:] == 0) and np.all(g.emit.sum(0) > 0)  # A4 only emits; every word is used
-    lengths = ref_length_distribution(g, 16)
-    assert lengths[:2].sum() == 0 and lengths.sum() == pytest.approx(1.0)
-    assert 9.7 < (np.arange(17) * lengths).sum() < 11.7  # released grammar: 10.66
-
-
-def test_float32_keeps_long_sentences_of_a_grammar_with_rare_rules():
-    """Audit regression: a span of zero mass (normaliser 1) used to set its parent's reference scale, above every
-    real span's (which shrink by log s at each width), so in float32 the real splits' weights underflowed and a
-    derivable 16-word sentence got P(x) = 0 and rows of zeros. S -> S S | X Y (1e-3 each) | Z S; X -> x .7 | u .3;
-    Y -> y; Z -> z: every x/u can be the other (q_t = [.7, 0, 0, .3] in closed form at x/u positions, one-hot at
-    y and z), and the float64 chart (exact against parse-tree sums above) gives log P."""
-    N, V, p = 4, 4, 1e-3
-    binary, emit = np.zeros((N, N, N)), np.zeros((N, V))
-    binary[0, 0, 0] = binary[0, 1, 2] = p
-    binary[0, 3, 0] = 1 - 2 * p
-    emit[1, 0], emit[1, 3], emit[2, 1], emit[3, 2] = 0.7, 0.3, 1.0, 1.0
-    g = PCFG(np.eye(N)[0], binary, emit, max_length=24)
-    lengths = np.array([14, 16, 23, 24], np.int32)
-    rng = np.random.default_rng(0)
-    tokens = np.full((len(lengths), 24), V, np.int32)
-    for b, n in enumerate(lengths):  # z^(n mod 2) then (x|u) y pairs
-        pairs = np.stack([rng.choice([0, 3], n // 2), np.ones(n // 2, int)], 1).ravel()
-        tokens[b, :n] = np.concatenate([np.full(n % 2, 2), pairs])
-    q = g.conditionals(tokens, lengths)
-    with jax.enable_x64(True):
-        want_logp = g.log_prob(tokens, lengths)
-    np.testing.assert_allclose(g.log_prob(tokens, lengths), want_logp, rtol=1e-5)
-    assert want_logp.min() < -150  # far below float32's e^-87: the chart's scales carry it
-    closed = {0: [0.7, 0, 0, 0.3], 3: [0.7, 0, 0, 0.3], 1: [0, 1, 0, 0], 2: [0, 0, 1, 0]}
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(q[b, :n], [closed[w] for w in tokens[b, :n]], atol=1e-6)
-        assert not q[b, n:].any()

@@ -40,7 +40,7 @@ def test_sample_without_latents_gives_the_same_sentences(name):
 
 def test_pcfg_trees_of_a_rejecting_grammar_hold_its_words():
     """With latents (the default), a grammar that derives over-long sentences (drawn 25 % larger, then cut) still
-    returns every tree array, T-shaped int32, whose preterminals emit the words (tests/test_pcfg.py checks whole
+    returns every tree array, T-shaped int32, whose preterminals emit the words (tests/test_pcfg_grammar.py checks whole
     derivations on a grammar that never rejects)."""
     g = dense_grammar(0, max_length=10)
     assert g._rejects
