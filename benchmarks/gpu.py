@@ -244,8 +244,10 @@ def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("
             lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)) for how in transfers}
 
     def row(chunk):  # --small (the tests' toy run) forces the one layout
-        return {k: v for layout in (("batch_minor",) if small else ("symbol_minor", "batch_minor"))
-                for k, v in one(chunk, layout).items()}
+        out = {}
+        for layout in ("batch_minor",) if small else ("symbol_minor", "batch_minor"):
+            out.update(one(chunk, layout))
+        return out
 
     return per_chunk(row, chunks or [256 if small else 4096])
 

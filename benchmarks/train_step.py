@@ -47,14 +47,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from _hf_bert import hf_available, hf_cases
+from _step_replays import dot_replay, optimizer_replay
 from _util import (
     cpu_count,
     interleave,
     load_line,
     matmul_case,
     matmul_peak,
-    optional_modules,
     paired_ratio,
     peak_rss_mb,
     time_once,
@@ -139,141 +139,6 @@ class JaxStep:
                 n += 1
                 nbytes += math.prod(int(d) for d in dims.split(",") if d) * _HLO_BYTES.get(dtype, 4)
         return dict(state_copies=n, state_copy_mib=nbytes / MIB)
-
-
-# ------------------------------------------------------------------ replays that explain the step's time
-
-
-def _dot_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _dot_eqns(sub)
-
-
-def dot_replay(step_fn, state, batch):
-    """(call, flops, count): every dot_general of one step (same shapes, dimension numbers, precision) run alone
-    in one jitted program; and the step's matmul FLOPs (2 * output size * contracted size). Each dot gets its own
-    smaller operand (so XLA cannot merge dots) and shares the larger one with the dots of its shape."""
-    closed = jax.make_jaxpr(step_fn)(state, batch)
-    eqns = list(_dot_eqns(closed.jaxpr))
-    rng = np.random.default_rng(0)
-    new = lambda aval: jnp.asarray(rng.standard_normal(aval.shape).astype(aval.dtype))
-    shared, operands, dims, flops = {}, [], [], 0.0
-    for e in eqns:
-        lhs, rhs = (v.aval for v in e.invars)
-        small = 0 if math.prod(lhs.shape) <= math.prod(rhs.shape) else 1
-        big = (lhs, rhs)[1 - small]
-        pair = [None, None]
-        pair[small] = new((lhs, rhs)[small])
-        key = (big.shape, str(big.dtype))
-        if key not in shared:
-            shared[key] = new(big)
-        pair[1 - small] = shared[key]
-        operands.append(tuple(pair))
-        dims.append((e.params["dimension_numbers"], e.params.get("precision"), e.params.get("preferred_element_type")))
-        (lc, _), _ = e.params["dimension_numbers"]
-        flops += 2.0 * math.prod(e.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in lc)
-
-    @jax.jit
-    def run(operands):
-        return [jax.lax.dot_general(a, b, dn, precision=p, preferred_element_type=t)
-                for (a, b), (dn, p, t) in zip(operands, dims)]
-
-    jax.block_until_ready(run(operands))
-    return (lambda: jax.block_until_ready(run(operands))), flops, len(eqns)
-
-
-def optimizer_replay(optimizer, params):
-    """call: the AdamW update + apply_updates alone on a params-shaped gradient, state donated."""
-    params = jax.tree.map(jnp.copy, params)  # ours to donate
-    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-    holder = {"s": (params, optimizer.init(params))}
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def update(s, g):
-        p, o = s
-        u, o = optimizer.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    def call():
-        holder["s"] = update(holder["s"], grads)
-        jax.block_until_ready(holder["s"])
-
-    call()
-    return call
-
-
-# ------------------------------------------------------------------ Hugging Face baseline
-
-
-def hf_available() -> str | None:
-    """None if torch + transformers import, else why not."""
-    return optional_modules("torch", "transformers")[1]
-
-
-def _hf_model(cfg, dropout: bool):
-    import torch  # reason: optional peer
-    import transformers  # reason: optional peer
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    hc = transformers.BertConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.heads, intermediate_size=cfg.ff, max_position_embeddings=SEQ_LEN,
-        # gelu_pytorch_tanh: the fused kernel of tanh GELU (gelu_new is the same maths in several ops)
-        hidden_act="gelu_pytorch_tanh" if cfg.gelu_approximate else "gelu",
-        hidden_dropout_prob=cfg.dropout if dropout else 0.0,
-        attention_probs_dropout_prob=cfg.attention_dropout if dropout else 0.0, layer_norm_eps=cfg.ln_eps)
-    return transformers.BertForMaskedLM(hc).train()
-
-
-def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[int]) -> tuple[dict, dict]:
-    """({"hf": call, "hf_nodrop": call}, info): one BertForMaskedLM (post-LN) + torch.optim.AdamW step at the
-    same shape, with dropout as the JAX step and without, each in the fastest of `modes` (eager, compile:
-    torch.compile of the model) x `ks` (gradient accumulation over k slices of the batch, each loss weighted by
-    its share of the labelled tokens: the same update), chosen by the median of 3 calls after warm-up; info has
-    every variant's time."""
-    import torch  # reason: optional peer
-
-    torch.set_num_threads(threads)
-    ids = torch.from_numpy(np.array(batch["tokens"], np.int64))
-    labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
-    calls, info = {}, {}
-    for name, dropout in (("hf", True), ("hf_nodrop", False)):
-        best = None
-        for mode, k in [(m, k) for m in modes for k in ks]:
-            model = _hf_model(cfg, dropout)
-            opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.b1, train.b2), eps=train.eps,
-                                    weight_decay=train.weight_decay)
-            run = torch.compile(model) if mode == "compile" else model
-            parts = [slice(m * len(ids) // k, (m + 1) * len(ids) // k) for m in range(k)]
-            shares = [float((labels[p] != -100).sum() / (labels != -100).sum()) for p in parts]
-
-            def call(run=run, opt=opt, parts=parts, shares=shares):
-                for part, share in zip(parts, shares, strict=True):
-                    loss = run(input_ids=ids[part], labels=labels[part]).loss
-                    (loss if len(parts) == 1 else loss * share).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            try:
-                t0 = time.perf_counter()
-                call()
-                first = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for torch.compile: keep the other mode
-                info[f"{name}_{mode}_k{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-                continue
-            sec = float(np.median([time_once(call)[0] for _ in range(3)]))
-            info[f"{name}_{mode}_k{k}_ms"], info[f"{name}_{mode}_k{k}_first_s"] = sec * 1e3, first
-            if best is None or sec < best[0]:
-                best = (sec, f"{mode} k={k}", call)
-        if best is None:
-            raise RuntimeError(f"no HF mode ran: {info}")
-        calls[name], info[f"{name}_mode"] = best[2], best[1]
-    info["hf_params"] = sum(p.numel() for p in model.parameters())
-    return calls, info
 
 
 # ------------------------------------------------------------------ driver

@@ -33,13 +33,14 @@ os.environ.setdefault("FLATLM_MALLOC", "system")
 # included, and must not take its fast flags for the caller's.
 XLA_DEFAULT_FLAGS = os.environ.setdefault("FLATLM_TEST_CALLERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 from flatlm.compile_options import ONE_SHOT  # noqa: E402 - after FLATLM_MALLOC, before any XLA backend starts
+from flatlm.cpu_codegen import SPLIT_FLAG  # noqa: E402 - as above
 
 TEST_XLA = os.environ.get("FLATLM_TEST_XLA", "fast")  # checked by pytest_configure below
 # One LLVM module per program (XLA:CPU splits each into parts compiled on a thread pool): xdist's two workers keep
 # both cores busy, so the parts wait for a core and the split only costs. Four compile-bound files under O0, two
 # interleaved rounds (Intel model-85 VM, 2026-11-29): 326 / 323 s of CPU -> 292 / 268 s. flatlm sets it itself on
 # <= 2 CPUs (flatlm/cpu_codegen.py); set here on any machine, so that the suite compiles alike everywhere.
-TEST_COMPILE = ONE_SHOT | {"xla_cpu_parallel_codegen_split_count": 1} | (
+TEST_COMPILE = ONE_SHOT | {SPLIT_FLAG.removeprefix("--"): 1} | (
     {"xla_backend_optimization_level": 0} if TEST_XLA == "O0" else {})
 FAST_COMPILE_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in TEST_COMPILE.items())
 if TEST_XLA != "default":
