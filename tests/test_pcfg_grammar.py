@@ -11,24 +11,14 @@ from flatlm.languages.base import special_ids
 from flatlm.languages.pcfg import PCFG, random_grammar
 
 
-@pytest.fixture(scope="module")
-def dense():
-    return dense_pcfg()
-
-
-@pytest.fixture(scope="module")
-def layered():
-    return layered_pcfg()
-
-
 @pytest.mark.parametrize("name", ["dense", "layered", "released"])
-def test_guided_rule_draws_are_the_binary_search_draws(name, request):
+def test_guided_rule_draws_are_the_binary_search_draws(name):
     """The sampler's guide table + short scan picks, for every (symbol, u), the rule np.searchsorted(edge, symbol +
     u, side="right") picks (the inverse CDF it replaced): random points, every bucket start, the float just below
     each bucket start and just below each edge, so a corpus drawn from a seed is the same as before."""
     from flatlm.languages.pcfg.sample import Sampler
 
-    g = random_grammar(0) if name == "released" else request.getfixturevalue(name)
+    g = {"dense": dense_pcfg, "layered": layered_pcfg, "released": lambda: random_grammar(0)}[name]()
     sp = Sampler(g.root, g.binary, g.emit)
     rng = np.random.default_rng(0)
     N, G = sp.N, sp.GUIDE
@@ -55,8 +45,9 @@ def test_guided_rule_draws_are_the_binary_search_draws(name, request):
     np.testing.assert_array_equal(sp._rules(Fixed(), sym), want)
 
 
-def test_sample_returns_parse_trees(layered):
+def test_sample_returns_parse_trees():
     """The latent tree arrays describe a derivation of each sentence with positive probability."""
+    layered = layered_pcfg()
     corpus = layered.sample(200, seed=11)
     lat = corpus.latents
     T = layered.max_length
@@ -82,7 +73,8 @@ def test_sample_returns_parse_trees(layered):
 # ---- rules files, construction, random grammars -----------------------------------------------------------
 
 
-def test_rules_file_round_trip(layered, tmp_path):
+def test_rules_file_round_trip(tmp_path):
+    layered = layered_pcfg()
     path = tmp_path / "rules.txt"
     layered.to_rules_file(path)
     back = PCFG.from_rules_file(path)
