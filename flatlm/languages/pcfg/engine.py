@@ -31,8 +31,8 @@ class Compiled:
     """A kernel compiled ahead of time per argument shape, with compiler `options` (`flatlm.compile_options`'s
     `CHART` or `CHART_SMALL_DOTS`, as `Engine.fn` chooses) where XLA knows them.
 
-    `prepare` compiles several shapes at once in threads (XLA releases the GIL), so the few chart sizes
-    one call needs compile in parallel on a multi-core host.
+    `prepare` compiles several shapes at once (`compile_all`: XLA's compiles in threads, beside the tracing of the
+    next shape), so the few chart sizes one call needs compile in parallel on a multi-core host.
     """
 
     def __init__(self, fn, options: dict):
@@ -48,8 +48,12 @@ class Compiled:
         return tuple((a.shape, a.dtype) if hasattr(a, "dtype") else (np.shape(a), np.result_type(a))
                      for a in jax.tree.leaves(args))
 
-    def _compile(self, args):
-        return compile_lowered(self.jitted.lower(*args), chart_options(self.options))
+    def _lower(self, args):
+        return self.jitted.lower(*args)
+
+    def _compile(self, lowered):
+        """The executable of a `_lower` result (XLA's compile: it releases the GIL, so it may run in a thread)."""
+        return compile_lowered(lowered, chart_options(self.options))
 
     def prepare(self, arg_lists: list) -> None:
         """Compile the shapes of these argument tuples that are not compiled yet (in parallel)."""
@@ -72,23 +76,30 @@ def _with_callers_x64(fn):
 
 
 def compile_all(pairs: list) -> None:
-    """Compile the missing (kernel, arguments) shapes, in parallel threads when there are several."""
+    """Compile the missing (kernel, arguments) shapes: each traced and lowered in this thread, largest first, and
+    handed to a pool of compile threads while the next one is traced.
+
+    Tracing and lowering are Python, under the GIL: in threads of their own, two ran side by side at half speed or
+    worse. XLA's compile releases the GIL and overlaps the tracing of the next program. The released-shape grammar's
+    first call at B1024 (charts of 8, 12 and 16 words), 2-core Intel VM, 2026-11-29, alternating processes, with
+    `chart_small`'s faster tracing: 16.8 / 15.1 / 16.2 s -> 14.8 / 15.1 / 15.1 s, and with JAX's persistent
+    compilation cache filled (a later process: XLA's compile is a cache read, tracing is most of what is left)
+    6.2 / 5.7 / 6.2 s -> 4.0 / 4.7 / 4.2 s (benchmarks/RESULTS.md)."""
     todo = {}
     for fn, args in pairs:
         key = (id(fn), fn._key(args))
         if fn._key(args) not in fn.executables and key not in todo:
             todo[key] = (fn, args)
-    # Largest programs first (longest job first): with three chart sizes on two threads, the largest one
-    # no longer waits alone at the end for a thread.
+    # Largest programs first (longest job first): the largest one no longer waits alone at the end for a thread.
     jobs = sorted(todo.values(), key=lambda job: -sum(np.size(a) for a in jax.tree.leaves(job[1])))
-    compile_job = _with_callers_x64(lambda job: job[0]._compile(job[1]))
-    if len(jobs) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cpus())) as pool:
-            exes = list(pool.map(compile_job, jobs))
-    else:
-        exes = [fn._compile(args) for fn, args in jobs]
-    for (fn, args), exe in zip(jobs, exes):
-        fn.executables[fn._key(args)] = exe
+    if len(jobs) <= 1:
+        for fn, args in jobs:
+            fn.executables[fn._key(args)] = fn._compile(fn._lower(args))
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(jobs), usable_cpus())) as pool:
+        compiles = [(fn, args, pool.submit(_with_callers_x64(fn._compile), fn._lower(args))) for fn, args in jobs]
+        for fn, args, future in compiles:
+            fn.executables[fn._key(args)] = future.result()
 
 
 def bucket(length: int) -> int:
