@@ -24,21 +24,13 @@ from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _dot, _r
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
-def _box(x_XYIB, start: tuple[int, int], size: tuple[int, int]):
-    """x[y0:y0 + Y, z0:z0 + Z] of an [., ., I, B] array (start (y0, z0), size (Y, Z)), its trailing axes whole, as
-    one static slice. The outer products below take thousands of slices, and numpy-style indexing (x[d, l0:l1, None]:
-    a slice, a squeeze and an expand_dims) traced slower. With `_bmul` and lax.add sums the released shape's charts
-    of 8, 12 and 16 words trace and lower in ~4.5 s instead of ~5.6 s (three alternating processes each, 2-core Intel
-    VM, 2026-11-29); the compiled program computes the same bits."""
-    return jax.lax.slice(x_XYIB, (*start, 0, 0), (start[0] + size[0], start[1] + size[1], *x_XYIB.shape[2:]))
-
-
-def _bmul(a, b):
-    """a * b of two arrays of one rank, an axis of size 1 in either broadcast to the other's (`*`'s broadcasting
-    without jnp's checks, to trace fast: see `_box`)."""
-    shape = tuple(max(m, n) for m, n in zip(a.shape, b.shape))
-    dims = tuple(range(len(shape)))
-    return jax.lax.mul(jax.lax.broadcast_in_dim(a, shape, dims), jax.lax.broadcast_in_dim(b, shape, dims))
+def _sum_slices(x, axis: int):
+    """x summed over `axis` (dropped) as a pairwise tree of its slices: one fused elementwise loop, where XLA:CPU's
+    reduce over a major axis ran ~5x slower (RESULTS.md, 2026-11-29 afternoon). The outer products are formed whole
+    first ([D, L, R, I, B] here) and sliced after, not a product per slice: a third fewer jaxpr equations, XLA's
+    compile ~12 % shorter and the chunk no slower, the same bits (RESULTS.md, 2026-11-29 evening)."""
+    parts = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
+    return jax.lax.squeeze(_tree(jax.lax.add, parts), (axis,))
 
 
 def _normalise(new_NM):
@@ -95,10 +87,8 @@ class SmallBlockChart(ChartBase):
         I, B, N = self.T - w + 1, self.B, self.N
         pairs = []
         for k in spec.blocks:  # outer products summed over splits, one elementwise loop over [L, R, I, B]
-            L, R = k.l1 - k.l0, k.r1 - k.r0  # the sum over d of left[d, l0:l1, None] * right[d, None, r0:r1]
-            outer_LRIB = _tree(jax.lax.add, [_bmul(jax.lax.reshape(_box(left, (d, k.l0), (1, L)), (L, 1, I, B)),
-                                                   _box(right, (d, k.r0), (1, R)))
-                                             for d in range(k.d0 - spec.d0, k.d1 - spec.d0 + 1)])
+            a, b = k.d0 - spec.d0, k.d1 - spec.d0 + 1  # the sum over splits d of left[d, l] * right[d, r]
+            outer_LRIB = _sum_slices(left[a:b, k.l0:k.l1, None] * right[a:b, None, k.r0:k.r1], 0)
             pairs.append(outer_LRIB.reshape(-1, I * B))
         pairs_PM = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, 0)
         # One matmul, G [P, N] contracted over P as it is stored (one per block: ~13 % faster, 40 % more compile).
@@ -146,11 +136,9 @@ class SmallBlockChart(ChartBase):
                 h_LRIB = _dot(G_PN[p: p + L * R, k.n0:k.n1], adj_NM[k.n0:k.n1]).reshape(L, R, I, B)  # its parents
                 p += L * R
                 rk, lk = right[a:b, k.r0:k.r1], left[a:b, k.l0:k.l1]  # [D, R, I, B], [D, L, I, B]
-                D = b - a  # d z / d left = sum_r h[None, :, r] * rk[:, r, None], d z / d right likewise over l
-                gl = _tree(jax.lax.add, [_bmul(jax.lax.reshape(_box(h_LRIB, (0, r), (L, 1)), (1, L, I, B)),
-                                               _box(rk, (0, r), (D, 1))) for r in range(R)])
-                gr = _tree(jax.lax.add, [_bmul(_box(h_LRIB, (l, 0), (1, R)), _box(lk, (0, l), (D, 1)))
-                                         for l in range(L)])
+                # d z / d left [D, L, I, B] = sum_r h[l, r] rk[d, r], d z / d right [D, R, I, B] likewise over l
+                gl = _sum_slices(h_LRIB[None] * rk[:, None], 2)
+                gr = _sum_slices(h_LRIB[None] * lk[:, :, None], 1)
                 adj_start = _add(adj_start, (spec.d0 - 1 + a, k.l0, 0, 0), gl * f_DIB[a:b, None])
                 adj_end = _add(adj_end, (w - spec.d0 - b, k.r0, w - 1, 0), jax.lax.rev(gr, (0,)))
         raise AssertionError("unreachable")
