@@ -82,7 +82,7 @@ def compile_all(pairs: list) -> None:
     Tracing and lowering are Python, under the GIL: in threads of their own, two ran side by side at half speed or
     worse. XLA's compile releases the GIL and overlaps the tracing of the next program. The released-shape grammar's
     first call at B1024 (charts of 8, 12 and 16 words), 2-core Intel VM, 2026-11-29, alternating processes, with
-    `chart_small`'s faster tracing: 16.8 / 15.1 / 16.2 s -> 14.8 / 15.1 / 15.1 s, and with JAX's persistent
+    `chart_small` traced in fewer Python calls: 16.8 / 15.1 / 16.2 s -> 14.8 / 15.1 / 15.1 s, and with JAX's persistent
     compilation cache filled (a later process: XLA's compile is a cache read, tracing is most of what is left)
     6.2 / 5.7 / 6.2 s -> 4.0 / 4.7 / 4.2 s (benchmarks/RESULTS.md)."""
     todo = {}
