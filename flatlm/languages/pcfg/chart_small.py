@@ -20,17 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _dot, _read, _tree
+from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _dot, _read, _sum_slices
 from flatlm.languages.pcfg.plan import Plan, Width
-
-
-def _sum_slices(x, axis: int):
-    """x summed over `axis` (dropped) as a pairwise tree of its slices: one fused elementwise loop, where XLA:CPU's
-    reduce over a major axis ran ~5x slower (RESULTS.md, 2026-11-29 afternoon). The outer products are formed whole
-    first ([D, L, R, I, B] here) and sliced after, not a product per slice: a third fewer jaxpr equations, XLA's
-    compile 5-15 % shorter and the chunk no slower, the same bits (RESULTS.md, 2026-11-29 evening)."""
-    parts = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
-    return jax.lax.squeeze(_tree(jax.lax.add, parts), (axis,))
 
 
 def _normalise(new_NM):
