@@ -17,20 +17,15 @@ import jax.numpy as jnp
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
-def _tree(op, xs: list):
-    """op-reduce a list of equal-shape arrays pairwise; XLA fuses it into one elementwise loop."""
-    while len(xs) > 1:
-        xs = [op(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
-    return xs[0]
-
-
 def _sum_slices(x, axis: int):
     """x summed over `axis` (dropped) as a pairwise tree of its slices: one fused elementwise loop, where XLA:CPU's
     reduce over a major axis ran ~5x slower (RESULTS.md, 2026-11-29 afternoon). The charts form each block's outer
     products whole and sum them by this, not a product per slice: a third fewer jaxpr equations, XLA's compile
     5-15 % shorter and the chunk no slower, the same bits (RESULTS.md, 2026-11-29 evening)."""
-    parts = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
-    return jax.lax.squeeze(_tree(jax.lax.add, parts), (axis,))
+    xs = [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(x.shape[axis])]
+    while len(xs) > 1:  # neighbours added pairwise, level by level
+        xs = [jax.lax.add(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return jax.lax.squeeze(xs[0], (axis,))
 
 
 _TREE_TERMS = 16  # contractions over at most this many terms are unrolled; longer ones use dot_general
