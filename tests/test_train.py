@@ -12,14 +12,27 @@ TINY = str(REPO / "configs" / "hmm_mlm.py") + ":tiny"
 
 
 def test_tiny_config_exact_kl_falls(tmp_path, tiny_config):
+    import jax
+
     from flatlm.evaluate.runner import run_exact_loss
     from flatlm.run import build_run
     from flatlm.train.loop import init_state, train_and_evaluate, train_setup
 
     run = build_run(tiny_config, str(tmp_path))
     before = run_exact_loss(run, init_state(run, train_setup(run))["params"])
-    after = {k.removeprefix("eval/"): v for k, v in train_and_evaluate(tiny_config, str(tmp_path),
-                                                                       progress=False).items()}
+    compiles = []  # XLA compiles of the train step: one for the whole run (a state whose avals or shardings
+    # changed after a step would compile it again, silently doubling the start-up)
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and kw.get("fun_name") == "jit(train_step)":
+            compiles.append(seconds)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        after = {k.removeprefix("eval/"): v for k, v in train_and_evaluate(tiny_config, str(tmp_path),
+                                                                           progress=False).items()}
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == 1, compiles
     assert abs(before["entropy"] - after["entropy"]) < 1e-9  # same data, same truth
     assert after["kl"] < 0.5 * before["kl"], (before, after)
     assert after["loss"] == pytest.approx(after["entropy"] + after["kl"], abs=1e-9)
