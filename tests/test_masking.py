@@ -73,3 +73,24 @@ def test_positions_hold_every_prediction_once():
         n = w.sum(1).astype(int)
         assert all((np.diff(row[:k]) > 0).all() and (covered[i, :k] == 1).all()
                    for i, (row, k) in enumerate(zip(pos, n)))
+
+
+def test_last_use_single_masking_is_the_same_batch():
+    """`last_use=True` skips the unused random-word draw of "single" masking: the same batch, empty rows included,
+    for a Generator and for `RowHash`; with the default a shared Generator's next draw is where it always was."""
+    from flatlm.data.masking import RowHash
+
+    tokens, lengths = _corpus(n=500, T=9)
+    lengths[:7] = 0  # empty rows: nothing selected, position 0
+    for make in (lambda: np.random.default_rng(5), lambda: RowHash(5, np.arange(500) * 3)):
+        a = mask_batch(tokens, lengths, V, make(), masking="single")
+        b = mask_batch(tokens, lengths, V, make(), masking="single", last_use=True)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype, k
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    rng = np.random.default_rng(5)
+    mask_batch(tokens, lengths, V, rng, masking="single")
+    ref = np.random.default_rng(5)
+    ref.random(500), ref.integers(0, V, size=tokens.shape)  # the stream as before: the draw is still made
+    assert rng.random() == ref.random()

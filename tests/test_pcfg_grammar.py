@@ -167,3 +167,20 @@ def test_float32_keeps_long_sentences_of_a_grammar_with_rare_rules():
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(q[b, :n], [closed[w] for w in tokens[b, :n]], atol=1e-6)
         assert not q[b, n:].any()
+
+
+def test_sampler_without_the_reject_bookkeeping_draws_the_same_trees():
+    """`Sampler.draw(rejects=False)`, for grammars that derive nothing longer than the cap, skips the early
+    rejection of long sentences: the same trees as with it (which never rejects there), tokens-only and with trees."""
+    from flatlm.languages.pcfg.sample import Sampler
+
+    g = layered_pcfg()
+    assert not g._rejects
+    s = Sampler(g.root, g.binary, g.emit)
+    for seed in range(3):
+        for latents in (False, True):
+            a = s.draw(np.random.default_rng(seed), 257, g.max_length, latents, rejects=True)
+            b = s.draw(np.random.default_rng(seed), 257, g.max_length, latents, rejects=False)
+            assert a.keys() == b.keys() and len(a["lengths"]) == 257
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)

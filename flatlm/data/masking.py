@@ -55,16 +55,25 @@ def _splitmix(x):
 
 
 def mask_batch(tokens_BT: np.ndarray, lengths_B: np.ndarray, num_words: int, rng: np.random.Generator | RowHash,
-               masking: str = "single", mask_prob: float = 0.15, max_predictions: int = 5) -> dict:
+               masking: str = "single", mask_prob: float = 0.15, max_predictions: int = 5,
+               last_use: bool = False) -> dict:
     """Returns the MLM batch dict: tokens (masked input), targets (original), weights (1 at predictions) and
-    positions [B, P] (P = 1 for "single", max_predictions for "bert"): every prediction's position in its row."""
+    positions [B, P] (P = 1 for "single", max_predictions for "bert"): every prediction's position in its row.
+
+    `last_use=True`: the caller draws nothing more from `rng`, so "single" masking skips the random-word draw
+    whose values it never uses (the same batch; the input pipelines' case). The default keeps a shared
+    Generator's stream as it always was (`Run.mlm_batches` masks batch after batch with one)."""
     ids = special_ids(num_words)
     B, T = tokens_BT.shape
     pos_T = np.arange(T)
     valid_BT = pos_T[None, :] < lengths_B[:, None]
-    if masking == "single":
+    if masking == "single":  # the chosen position is the row's only prediction (position 0 in an empty row)
         chosen_B = np.floor(rng.random(B) * np.maximum(lengths_B, 1)).astype(np.int64)
         selected_BT = (pos_T[None, :] == chosen_B[:, None]) & valid_BT
+        if last_use:
+            return {"tokens": np.where(selected_BT, ids.mask, tokens_BT).astype(np.int32),
+                    "targets": tokens_BT.astype(np.int32), "weights": selected_BT.astype(np.float32),
+                    "positions": chosen_B[:, None].astype(np.int32)}
         replace_BT = selected_BT
         random_BT = np.zeros_like(selected_BT)
     elif masking == "bert":

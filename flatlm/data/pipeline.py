@@ -58,7 +58,7 @@ class _CorpusRows(grain.transforms.Map):
         lengths_B = np.empty(len(rows_B), np.int32)
         tokens_BT[order], lengths_B[order] = self.tokens_NT[rows_B[order]], self.lengths_N[rows_B[order]]
         return mask_batch(tokens_BT, lengths_B, rng=RowHash(self.seed, rows_B if self.fixed_masks else pos_B),
-                          **self.mask_kw)
+                          last_use=True, **self.mask_kw)
 
 
 class _SampleRows(grain.transforms.Map):
@@ -80,7 +80,7 @@ class _SampleRows(grain.transforms.Map):
             seeds = np.random.SeedSequence([self.seed, int(index), block]).generate_state(2)
             corpus = self.language.sample(size, seed=int(seeds[0]), latents=False)  # tokens and lengths only
             parts.append(mask_batch(corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32),
-                                    rng=np.random.default_rng(int(seeds[1])), **self.mask_kw))
+                                    rng=np.random.default_rng(int(seeds[1])), last_use=True, **self.mask_kw))
         rows = slice(self.lo - first * self.block, self.hi - first * self.block)
         return {k: np.concatenate([p[k] for p in parts])[rows] for k in parts[0]}
 
