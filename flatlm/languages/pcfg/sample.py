@@ -73,8 +73,8 @@ class Sampler:
         `rejects=False` (the grammar derives no sentence longer than `cap`) skips the bookkeeping that finds long
         sentences early: the same trees, fewer passes. Each level's expanded nodes put their children in the next
         level as consecutive (left, right) pairs, so sizes and starts move between levels by strided slices.
-        (512 sentences of the tiny grammar: 1.11 -> 0.73 ms tokens only, 1.53 -> 1.18 ms with trees, by that and
-        the passes above; the same output, 2-core Intel VM, 2026-11-29.)"""
+        (512 sentences of the tiny grammar: 1.04-1.11 -> 0.70-0.73 ms tokens only, 1.53 -> 1.18 ms with trees, by
+        that and the passes above; the same output, 2-core Intel VM, 2026-11-29.)"""
         pick = np.searchsorted(self.root_cum, rng.random(m), side="right")
         sym = self.root_support[np.minimum(pick, self.root_cum.size - 1)]
         sent = np.arange(m, dtype=np.int64)
@@ -110,9 +110,10 @@ class Sampler:
         for d, (sym_d, sent_d, word_d, expand_d) in enumerate(levels):
             ok = keep[sent_d]
             leaf = ok & (word_d >= 0)
-            tokens[sent_d[leaf], start[leaf]] = word_d[leaf]
+            at = (sent_d * cap + start)[leaf]  # flat [m * cap] index: a 1-d scatter is ~1.7x faster than a 2-d one
+            tokens.reshape(-1)[at] = word_d[leaf]
             if latents:
-                tree["preterminal"][sent_d[leaf], start[leaf]] = sym_d[leaf]
+                tree["preterminal"].reshape(-1)[at] = sym_d[leaf]
             if d + 1 < len(levels):
                 start_x, left_size = start[expand_d], sizes[d + 1][0::2]
                 if latents:  # the split point: the start of the right child
