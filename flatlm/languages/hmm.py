@@ -74,6 +74,7 @@ class HMM:
             object.__setattr__(self, name, p)
         object.__setattr__(self, "length", int(self.length))
         object.__setattr__(self, "_device_params", {})
+        object.__setattr__(self, "_samplers", None)  # (initial, transition, emission) `_RowSampler`s, built once
 
     def __repr__(self) -> str:
         return f"HMM(num_states={self.num_states}, vocab_size={self.vocab_size}, length={self.length})"
@@ -105,9 +106,10 @@ class HMM:
             raise ValueError(f"number of sentences must be >= 0, got {n}")
         T = self.length
         rng = np.random.default_rng(seed)
-        init_sampler = _RowSampler(self.initial[None, :])
-        trans_sampler = _RowSampler(self.transition)
-        emit_sampler = _RowSampler(self.emission)
+        if self._samplers is None:  # the arrays are read-only: built on the first call
+            object.__setattr__(self, "_samplers", tuple(
+                _RowSampler(p) for p in (self.initial[None, :], self.transition, self.emission)))
+        init_sampler, trans_sampler, emit_sampler = self._samplers
         states_NT = np.empty((n, T), dtype=np.int32)
         tokens_NT = np.empty((n, T), dtype=np.int32)
         for start in range(0, n, _SAMPLE_CHUNK):
