@@ -184,3 +184,20 @@ def test_sampler_without_the_reject_bookkeeping_draws_the_same_trees():
             assert a.keys() == b.keys() and len(a["lengths"]) == 257
             for k in a:
                 np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["dense", "layered"])
+def test_zero_sentences_are_empty_arrays_and_a_negative_count_is_refused(name):
+    """sample(0) returns empty arrays of the usual shapes (it raised IndexError before), for grammars with and
+    without rejection; sample(-1) is a ValueError, as for the HMM."""
+    from flatlm.languages.pcfg.sample import TREE
+
+    g = {"dense": dense_pcfg, "layered": layered_pcfg}[name]()
+    for latents in (True, False):
+        c = g.sample(0, seed=3, latents=latents)
+        assert c.tokens.shape == (0, g.max_length) and c.tokens.dtype == np.int32
+        assert c.lengths.shape == (0,) and c.lengths.dtype == np.int32
+        assert sorted(c.latents) == (sorted(TREE) if latents else [])
+        assert all(v.shape == (0, g.max_length) for v in c.latents.values())
+    with pytest.raises(ValueError, match="must be >= 0"):
+        g.sample(-1, seed=3)
