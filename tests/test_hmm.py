@@ -242,3 +242,32 @@ def test_validation():
     assert good.transition.flags.writeable is False
     nearly = HMM(good.initial, good.transition * (1 + 1e-8), good.emission, T)  # within tolerance
     np.testing.assert_allclose(nearly.transition.sum(-1), 1.0, rtol=0, atol=1e-15)
+
+
+def test_row_sampler_table_matches_counting_thresholds():
+    """`_RowSampler`'s column for (row r, draw u) is #{thresholds[r] <= u} (its definition, counted here by brute
+    force), whether its table answers or the binary search does: rows with zeros, with many near-zero entries
+    crowded into one bucket, and draws exactly at, just below and just above thresholds."""
+    from flatlm.languages.hmm import _RowSampler
+
+    rng = np.random.default_rng(0)
+    p = rng.random((6, 40))
+    p[rng.random(p.shape) < 0.3] = 0.0
+    p[0, :30], p[0, 30:] = 1e-15, 1.0  # 30 columns within one bucket of row 0
+    p[1] = 0.0
+    p[1, 17] = 1.0  # a single possible column
+    p /= p.sum(1, keepdims=True)
+    s = _RowSampler(p)
+    cdf = np.cumsum(p, axis=1)
+    thresholds = np.rint((cdf / cdf[:, -1:])[:, :-1] * 2.0**52).astype(np.int64)
+    rows = rng.integers(0, 6, 20000)
+    u = rng.integers(0, 1 << 52, 20000)
+    at = thresholds[rows[:3000], rng.integers(0, 39, 3000)]  # at a threshold, one below, one above
+    u[:3000] = np.clip(at + rng.integers(-1, 2, 3000), 0, (1 << 52) - 1)
+    u[3000:4000] = rng.integers(0, 1 << 20, 1000)  # row 0's crowded first bucket for its rows
+    expect = (thresholds[rows] <= u[:, None]).sum(1)
+    got = s(rows, u)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, expect)
+    assert (s.table < 0).any() and (s.table >= 0).mean() > 0.9  # both paths exercised
+    assert set(np.unique(got[rows == 1])) == {17} and not (p[rows, got] == 0).any()  # never a zero entry
