@@ -13,21 +13,24 @@ from flatlm.languages.pcfg import PCFG, random_grammar
 
 @pytest.mark.parametrize("name", ["dense", "layered", "released"])
 def test_guided_rule_draws_are_the_binary_search_draws(name):
-    """The sampler's guide table + short scan picks, for every (symbol, u), the rule np.searchsorted(edge, symbol +
-    u, side="right") picks (the inverse CDF it replaced): random points, every bucket start, the float just below
-    each bucket start and just below each edge, so a corpus drawn from a seed is the same as before."""
+    """The sampler's bucket table (and, in buckets holding an edge, its guide + short scan) picks, for every
+    (symbol, u), the rule np.searchsorted(edge, symbol + u, side="right") picks (the inverse CDF it replaced):
+    random points, every bucket's first and last float, the float just below each bucket start and just below
+    each edge, so a corpus drawn from a seed is the same as before."""
     from flatlm.languages.pcfg.sample import Sampler
 
     g = {"dense": dense_pcfg, "layered": layered_pcfg, "released": lambda: random_grammar(0)}[name]()
     sp = Sampler(g.root, g.binary, g.emit)
     rng = np.random.default_rng(0)
-    N, G = sp.N, sp.GUIDE
+    N, G = sp.N, sp.G
+    assert (sp.table < 0).any() and (sp.table >= 0).any()  # both paths taken
     starts = np.arange(G) / G
     edge_sym = np.ceil(sp.edge).astype(np.int64) - 1  # edges of symbol A lie in (A, A + 1]
     sym = np.concatenate([rng.integers(0, N, 100_000), np.repeat(np.arange(N), G), np.repeat(np.arange(N), G),
-                          edge_sym, edge_sym])
+                          np.repeat(np.arange(N), G), edge_sym, edge_sym])
     u = np.concatenate([rng.random(100_000), np.tile(starts, N), np.nextafter(np.tile(starts, N), -1).clip(0),
-                        np.nextafter(sp.edge - edge_sym, 0), (sp.edge - edge_sym) % 1.0])
+                        np.nextafter(np.tile(starts + 1 / G, N), 0), np.nextafter(sp.edge - edge_sym, 0),
+                        (sp.edge - edge_sym) % 1.0])
     want = np.minimum(np.searchsorted(sp.edge, sym + u, side="right"), sp.edge.size - 1)
 
     class Fixed:  # rng.random(n) -> the points above

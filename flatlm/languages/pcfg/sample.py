@@ -42,30 +42,44 @@ class Sampler:
         self.root_support, self.root_cum = support.astype(np.int32), c
         self.V, self.N = V, N
 
-    GUIDE = 64  # guide-table buckets per symbol
+    PER_RULE = 16  # table buckets per rule of the symbol with the most
 
     def _guide_table(self, N: int) -> None:
-        """guide[A G + g]: the rule where a search for a point in bucket [A + g/G, A + (g+1)/G) may start, i.e. the
-        first rule whose edge exceeds a point just below the bucket's start (1e-9 below: below every float
-        A + u with u >= g / G, whatever the rounding), so `_rules` scans a rule or two instead of a binary search
-        over the whole table (31 % of the stream source's time), with the same result."""
-        g = np.arange(self.GUIDE) / self.GUIDE
-        points = (np.arange(N)[:, None] + g[None, :]).reshape(-1) - 1e-9
-        self.guide = np.searchsorted(self.edge, points, side="right").astype(np.int64)  # flat: [N * GUIDE]
+        """Per symbol A, G buckets of u (bucket g: points A + u, g/G <= u < (g+1)/G), G ~PER_RULE per rule of the
+        symbol with the most (a power of two, 64 to 2^14, at most 2^22 / N). table[A G + g]: the rule itself where
+        no edge falls within 1e-9 of the bucket (one answer for all its points), else -1; guide[A G + g]: the rule
+        where a search for a point in the bucket may start, the first rule whose edge exceeds a point just below
+        the bucket's start (1e-9 below: below every float A + u with u >= g / G, whatever the rounding)."""
+        most = int(np.bincount(np.ceil(self.edge).astype(np.int64) - 1, minlength=N).max())  # edges of A: (A, A+1]
+        cap = max(64, (1 << 22) // max(N, 1))
+        self.G = 1 << int(np.clip((self.PER_RULE * most - 1).bit_length(), 6, min(14, cap.bit_length() - 1)))
+        g = np.arange(self.G) / self.G
+        first = (np.arange(N)[:, None] + g[None, :]).reshape(-1)
+        last = (np.arange(N)[:, None] + (g + 1.0 / self.G)[None, :]).reshape(-1)
+        self.guide = np.searchsorted(self.edge, first - 1e-9, side="right")  # intp: indexes without a cast
+        after = np.searchsorted(self.edge, last + 1e-9, side="right")
+        self.table = np.where(self.guide == after, np.minimum(self.guide, self.edge.size - 1), -1)
         self.edge_inf = np.append(self.edge, np.inf)  # a sentinel the scan stops at
 
     def _rules(self, rng, sym):
         """Index of the rule drawn for each symbol: the first edge > sym + u (inverse CDF, u uniform in [0, 1)),
-        as np.searchsorted(edge, sym + u, side="right") finds it."""
+        as np.searchsorted(edge, sym + u, side="right") finds it (clipped to the last rule). Most draws are one
+        gather from the table; those in a bucket holding an edge scan forward from the guide. The dense N=50
+        grammar (2,700 rules a symbol) draws 512 sentences in 5.1-5.3 instead of 18.5-20.9 ms, where the guide's
+        scan alone ran long; small grammars as fast as with that scan (2-core AMD EPYC Zen 3, 2026-11-29)."""
         u = rng.random(sym.size)
-        x = sym + u
-        r = self.guide[sym * self.GUIDE + (u * self.GUIDE).astype(np.int64)]
-        while True:
-            behind = self.edge_inf[r] <= x
-            if not behind.any():
-                break
-            r += behind
-        return np.minimum(r, self.edge.size - 1)
+        bucket = sym * self.G + (u * self.G).astype(np.int64)
+        r = self.table[bucket]
+        scan = np.flatnonzero(r < 0)
+        if scan.size:
+            x, r_scan = sym[scan] + u[scan], self.guide[bucket[scan]]
+            while True:
+                behind = self.edge_inf[r_scan] <= x
+                if not behind.any():
+                    break
+                r_scan += behind
+            r[scan] = np.minimum(r_scan, self.edge.size - 1)
+        return r
 
     def draw(self, rng, m: int, cap: int, latents: bool = True, rejects: bool = True) -> dict[str, np.ndarray]:
         """m trees; sentences longer than `cap` are dropped (so fewer than m may come back). `latents=False`
