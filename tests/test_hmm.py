@@ -245,10 +245,10 @@ def test_validation():
 
 
 def test_row_sampler_table_matches_counting_thresholds():
-    """`_RowSampler`'s column for (row r, draw u) is #{thresholds[r] <= u} (its definition, counted here by brute
+    """`RowSampler`'s column for (row r, draw u) is #{thresholds[r] <= u} (its definition, counted here by brute
     force), whether its table answers or the binary search does: rows with zeros, with many near-zero entries
     crowded into one bucket, and draws exactly at, just below and just above thresholds."""
-    from flatlm.languages.hmm import _RowSampler
+    from flatlm.languages.row_sampler import RowSampler
 
     rng = np.random.default_rng(0)
     p = rng.random((6, 40))
@@ -257,7 +257,7 @@ def test_row_sampler_table_matches_counting_thresholds():
     p[1] = 0.0
     p[1, 17] = 1.0  # a single possible column
     p /= p.sum(1, keepdims=True)
-    s = _RowSampler(p)
+    s = RowSampler(p)
     cdf = np.cumsum(p, axis=1)
     thresholds = np.rint((cdf / cdf[:, -1:])[:, :-1] * 2.0**52).astype(np.int64)
     rows = rng.integers(0, 6, 20000)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.languages.base import Corpus, host_outputs, special_ids
+from flatlm.languages.row_sampler import RowSampler
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
 # Sentences per device call. Bounds temporary memory at about chunk * T * (2K + V) floats; small enough that
@@ -74,7 +75,7 @@ class HMM:
             object.__setattr__(self, name, p)
         object.__setattr__(self, "length", int(self.length))
         object.__setattr__(self, "_device_params", {})
-        object.__setattr__(self, "_samplers", None)  # (initial, transition, emission) `_RowSampler`s, built once
+        object.__setattr__(self, "_samplers", None)  # (initial, transition, emission) `RowSampler`s, built once
 
     def __repr__(self) -> str:
         return f"HMM(num_states={self.num_states}, vocab_size={self.vocab_size}, length={self.length})"
@@ -108,13 +109,13 @@ class HMM:
         rng = np.random.default_rng(seed)
         if self._samplers is None:  # the arrays are read-only: built on the first call
             object.__setattr__(self, "_samplers", tuple(
-                _RowSampler(p) for p in (self.initial[None, :], self.transition, self.emission)))
+                RowSampler(p) for p in (self.initial[None, :], self.transition, self.emission)))
         init_sampler, trans_sampler, emit_sampler = self._samplers
         states_NT = np.empty((n, T), dtype=np.int32)
         tokens_NT = np.empty((n, T), dtype=np.int32)
         for start in range(0, n, _SAMPLE_CHUNK):
             stop = min(n, start + _SAMPLE_CHUNK)
-            u_B2T = rng.integers(0, 1 << _RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64)
+            u_B2T = rng.integers(0, 1 << RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64)
             z_B = init_sampler(np.zeros(stop - start, dtype=np.int64), u_B2T[:, 0, 0])
             for t in range(T):
                 if t > 0:
@@ -225,52 +226,6 @@ class HMM:
             rows = min(chunk_size, n - start)
             out[start : start + rows] = result[:rows]
         return out
-
-
-class _RowSampler:
-    """Inverse-CDF sampling from the rows of a stochastic matrix, vectorised over rows.
-
-    Row r's cumulative probabilities are quantised to integers in [0, 2^BITS]; a draw u (an integer in [0, 2^BITS))
-    takes the column c = #{thresholds[r] <= u}. All arithmetic is exact integer, hence a zero-probability entry
-    is never drawn; nonzero probabilities are exact up to 2^-BITS.
-
-    A table answers most draws with one gather: u's top bits pick one of 2^table_bits buckets per row, and a
-    bucket in which no threshold falls has one column for all its draws. The few draws in a bucket with a
-    threshold (~1-2 % at the paper's HMM) take a binary search over all rows' thresholds, shifted by r 2^(BITS+1)
-    into one sorted array. The same columns as that search alone, without its data-dependent branches: the paper
-    HMM's 512 sentences 1.86 -> 0.88 ms, the tiny one's 0.52 -> 0.37 ms (2-core AMD EPYC, 2026-11-29).
-    """
-
-    BITS = 52
-
-    def __init__(self, p_RC: np.ndarray):
-        R, C = p_RC.shape
-        if R.bit_length() + self.BITS + 1 > 62:
-            raise ValueError(f"too many rows ({R}) for exact integer sampling")
-        cdf_RC = np.cumsum(p_RC, axis=1)
-        cdf_RC /= cdf_RC[:, -1:]
-        thresholds = np.rint(cdf_RC[:, :-1] * (1 << self.BITS)).astype(np.int64)
-        self.offset = np.int64(1 << (self.BITS + 1))
-        self.flat = (thresholds + np.arange(R, dtype=np.int64)[:, None] * self.offset).ravel()
-        self.width = C - 1
-        # ~16 buckets per column (at most 2^14 a row): a threshold lands in few of them
-        self.table_bits = int(np.clip(int(C - 1).bit_length() + 4, 8, 14))
-        self.shift = np.int64(self.BITS - self.table_bits)
-        first_G = np.arange(1 << self.table_bits, dtype=np.int64) << self.shift  # each bucket's first and last u
-        last_G = first_G + (np.int64(1) << self.shift) - 1
-        c_first = np.stack([np.searchsorted(t, first_G, side="right") for t in thresholds])
-        c_last = np.stack([np.searchsorted(t, last_G, side="right") for t in thresholds])
-        self.table = np.where(c_first == c_last, c_first, -1).astype(np.int32).ravel()  # -1: search
-
-    def __call__(self, rows_B: np.ndarray, u_B: np.ndarray) -> np.ndarray:
-        """For each b, the column c with cdf[rows_B[b], c-1] <= u_B[b] / 2^BITS < cdf[rows_B[b], c]."""
-        rows_B = rows_B.astype(np.int64)
-        c_B = self.table[(rows_B << self.table_bits) + (u_B >> self.shift)]
-        search = np.flatnonzero(c_B < 0)
-        if search.size:
-            r = rows_B[search]
-            c_B[search] = np.searchsorted(self.flat, r * self.offset + u_B[search], side="right") - r * self.width
-        return c_B
 
 
 # ------------------------------------------------------------ JAX kernels: module level, so compiled once per
