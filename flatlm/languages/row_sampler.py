@@ -17,7 +17,7 @@ class RowSampler:
     bucket in which no threshold falls has one column for all its draws. The few draws in a bucket with a
     threshold (~1-2 % at the paper's HMM) take a binary search over all rows' thresholds, shifted by r 2^(BITS+1)
     into one sorted array. The same columns as that search alone, without its data-dependent branches: the paper
-    HMM's 512 sentences 1.86 -> 0.88 ms, the tiny one's 0.52 -> 0.37 ms (2-core AMD EPYC, 2026-11-29).
+    HMM's 512 sentences 1.86 -> 0.88 ms, the tiny one's 0.52 -> 0.37 ms (2-core AMD EPYC Zen 3, 2026-11-29).
     """
 
     BITS = 52

@@ -46,12 +46,13 @@ class Sampler:
 
     def _guide_table(self, N: int) -> None:
         """Per symbol A, G buckets of u (bucket g: points A + u, g/G <= u < (g+1)/G), G ~PER_RULE per rule of the
-        symbol with the most (a power of two, 64 to 2^14, at most 2^22 / N). table[A G + g]: the rule itself where
-        no edge falls within 1e-9 of the bucket (one answer for all its points), else -1; guide[A G + g]: the rule
-        where a search for a point in the bucket may start, the first rule whose edge exceeds a point just below
-        the bucket's start (1e-9 below: below every float A + u with u >= g / G, whatever the rounding)."""
+        symbol with the most (a power of two, 64 to 2^14, at most 2^20 / N: <= 8 MB each for table and guide).
+        table[A G + g]: the rule itself where no edge falls within 1e-9 of the bucket (one answer for all its
+        points), else -1; guide[A G + g]: the rule where a search for a point in the bucket may start, the first
+        rule whose edge exceeds a point just below the bucket's start (1e-9 below: below every float A + u with
+        u >= g / G, whatever the rounding)."""
         most = int(np.bincount(np.ceil(self.edge).astype(np.int64) - 1, minlength=N).max())  # edges of A: (A, A+1]
-        cap = max(64, (1 << 22) // max(N, 1))
+        cap = max(64, (1 << 20) // max(N, 1))
         self.G = 1 << int(np.clip((self.PER_RULE * most - 1).bit_length(), 6, min(14, cap.bit_length() - 1)))
         g = np.arange(self.G) / self.G
         first = (np.arange(N)[:, None] + g[None, :]).reshape(-1)
