@@ -70,12 +70,8 @@ def mask_batch(tokens_BT: np.ndarray, lengths_B: np.ndarray, num_words: int, rng
     if masking == "single":  # the chosen position is the row's only prediction (position 0 in an empty row)
         chosen_B = np.floor(rng.random(B) * np.maximum(lengths_B, 1)).astype(np.int64)
         selected_BT = (pos_T[None, :] == chosen_B[:, None]) & valid_BT
-        if last_use:
-            return {"tokens": np.where(selected_BT, ids.mask, tokens_BT).astype(np.int32),
-                    "targets": tokens_BT.astype(np.int32), "weights": selected_BT.astype(np.float32),
-                    "positions": chosen_B[:, None].astype(np.int32)}
-        replace_BT = selected_BT
-        random_BT = np.zeros_like(selected_BT)
+        replace_BT, random_BT = selected_BT, None  # no random words; the draw below keeps a shared stream
+        positions_BP = chosen_B[:, None]
     elif masking == "bert":
         # Random priorities; the `max_predictions` smallest below mask_prob are selected, and the
         # smallest always is, so every sentence has between 1 and max_predictions predictions.
@@ -85,15 +81,17 @@ def mask_batch(tokens_BT: np.ndarray, lengths_B: np.ndarray, num_words: int, rng
         action_BT = rng.random((B, T))
         replace_BT = selected_BT & (action_BT < 0.8)
         random_BT = selected_BT & (action_BT >= 0.8) & (action_BT < 0.9)
+        # the selected positions first (ascending), then unselected ones: the MLM head runs only there
+        positions_BP = np.argsort(~selected_BT, axis=1, kind="stable")[:, :min(max_predictions, T)]
     else:
         raise ValueError(f"unknown masking {masking!r}")
     inputs_BT = np.where(replace_BT, ids.mask, tokens_BT)
-    inputs_BT = np.where(random_BT, rng.integers(0, num_words, size=(B, T)), inputs_BT)
-    num_positions = 1 if masking == "single" else min(max_predictions, T)  # >= the selections of any row
+    if random_BT is not None or not last_use:
+        words_BT = rng.integers(0, num_words, size=(B, T))
+        inputs_BT = inputs_BT if random_BT is None else np.where(random_BT, words_BT, inputs_BT)
     return {
         "tokens": inputs_BT.astype(np.int32),
         "targets": tokens_BT.astype(np.int32),
         "weights": selected_BT.astype(np.float32),
-        # the selected positions first (ascending), then unselected ones: the MLM head runs only there
-        "positions": np.argsort(~selected_BT, axis=1, kind="stable")[:, :num_positions].astype(np.int32),
+        "positions": positions_BP.astype(np.int32),
     }
