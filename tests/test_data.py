@@ -139,6 +139,33 @@ def test_stream_global_batch_is_the_same_for_any_process_count(block):
                                   whole[0]["tokens"])
 
 
+@pytest.mark.parametrize("block, count", [(3, 1), (3, 2), (512, 1)])
+def test_stream_batches_of_a_pcfg_sampled_in_one_pass_are_its_per_block_batches(block, count):
+    """A language with `sample_blocks` (the PCFG) samples a stream batch's blocks in one pass: every row the same
+    as a language offering only `sample` gets, one call per block (the reference), for one process and two."""
+    from flatlm.languages.pcfg import random_grammar
+
+    lang = random_grammar(0)
+
+    class PerBlock:  # the PCFG without `sample_blocks`: the pipeline calls `sample` once per block
+        def __getattr__(self, name):
+            if name == "sample_blocks":
+                raise AttributeError(name)
+            return getattr(lang, name)
+
+    class Stream(_Data):
+        source, stream_block, batch_size = "stream", block, 8
+
+    for p in range(count):
+        kw = dict(seed=1, process_index=p, process_count=count)
+        got = _take(pipeline.train_iterator(Stream, lang.vocab_size, language=lang, **kw), 2)
+        want = _take(pipeline.train_iterator(Stream, lang.vocab_size, language=PerBlock(), **kw), 2)
+        for g, w in zip(got, want, strict=True):
+            assert g.keys() == w.keys()
+            for k in g:
+                np.testing.assert_array_equal(g[k], w[k], err_msg=k)
+
+
 def test_hmm_task_names_are_the_papers_one_based_variables():
     """A.1: task-k classifies the k-th hidden variable (1-based); k<i> is the 0-based position i."""
     assert [tasks.hmm_position(t) for t in ("task-1", "task-6", "task-10", "k0", "k5")] == [0, 5, 9, 0, 5]

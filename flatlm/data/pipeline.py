@@ -74,13 +74,20 @@ class _SampleRows(grain.transforms.Map):
         self.seed, self.mask_kw, self.block = seed, mask_kw, block
 
     def map(self, index: int) -> dict:
-        first, parts = self.lo // self.block, []
-        for block in range(first, (self.hi - 1) // self.block + 1):
-            size = min(self.block, self.batch_size - block * self.block)
-            seeds = np.random.SeedSequence([self.seed, int(index), block]).generate_state(2)
-            corpus = self.language.sample(size, seed=int(seeds[0]), latents=False)  # tokens and lengths only
-            parts.append(mask_batch(corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32),
-                                    rng=np.random.default_rng(int(seeds[1])), last_use=True, **self.mask_kw))
+        first = self.lo // self.block
+        blocks = range(first, (self.hi - 1) // self.block + 1)
+        sizes = [min(self.block, self.batch_size - block * self.block) for block in blocks]
+        seeds = [np.random.SeedSequence([self.seed, int(index), block]).generate_state(2) for block in blocks]
+        # tokens and lengths only; a language with `sample_blocks` (the PCFG) samples every block in one pass
+        if hasattr(self.language, "sample_blocks"):
+            corpus = self.language.sample_blocks(sizes, [int(s[0]) for s in seeds], latents=False)
+            ends = np.cumsum(sizes)
+            corpora = [(corpus.tokens[e - n:e], corpus.lengths[e - n:e]) for n, e in zip(sizes, ends, strict=True)]
+        else:
+            corpora = [(c.tokens, c.lengths) for c in (self.language.sample(n, seed=int(s[0]), latents=False)
+                                                       for n, s in zip(sizes, seeds, strict=True))]
+        parts = [mask_batch(tokens.astype(np.int32), lengths.astype(np.int32), rng=np.random.default_rng(int(s[1])),
+                            last_use=True, **self.mask_kw) for (tokens, lengths), s in zip(corpora, seeds, strict=True)]
         rows = slice(self.lo - first * self.block, self.hi - first * self.block)
         return {k: np.concatenate([p[k] for p in parts])[rows] for k in parts[0]}
 

@@ -17,7 +17,7 @@ from flatlm.languages.base import Corpus
 from flatlm.languages.pcfg import rules_file, tasks
 from flatlm.languages.pcfg.engine import Engine, encode_tokens
 from flatlm.languages.pcfg.plan import Plan
-from flatlm.languages.pcfg.sample import Sampler, sample_corpus
+from flatlm.languages.pcfg.sample import Sampler, sample_blocks, sample_corpus
 
 _TOL = 1e-6  # allowed |sum - 1| of a probability row passed to the constructor
 
@@ -140,9 +140,17 @@ class PCFG:
         1 <= k < length), as `split_symbol[k]`, `split_start[k]`, `split_end[k]`. `latents=False`: the same
         sentences without their trees (~1.5x faster; the stream source's training batches).
         """
+        return sample_corpus(self._get_sampler(), n, seed, self.max_length, self._rejects, latents)
+
+    def sample_blocks(self, ns, seeds, latents: bool = True) -> Corpus:
+        """`sample(ns[b], seeds[b], latents)` for every block b, concatenated in block order: the same sentences,
+        each tree level expanded once for all blocks (the stream source's batch of `data.stream_block`-row blocks)."""
+        return sample_blocks(self._get_sampler(), ns, seeds, self.max_length, self._rejects, latents)
+
+    def _get_sampler(self) -> Sampler:
         if self._sampler is None:
             self._sampler = Sampler(self.root, self.binary, self.emit)
-        return sample_corpus(self._sampler, n, seed, self.max_length, self._rejects, latents)
+        return self._sampler
 
     # ---- exact inference ---------------------------------------------------------------------------------
 

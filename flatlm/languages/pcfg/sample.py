@@ -62,13 +62,12 @@ class Sampler:
         self.table = np.where(self.guide == after, np.minimum(self.guide, self.edge.size - 1), -1)
         self.edge_inf = np.append(self.edge, np.inf)  # a sentinel the scan stops at
 
-    def _rules(self, rng, sym):
+    def _rules(self, u, sym):
         """Index of the rule drawn for each symbol: the first edge > sym + u (inverse CDF, u uniform in [0, 1)),
         as np.searchsorted(edge, sym + u, side="right") finds it (clipped to the last rule). Most draws are one
         gather from the table; those in a bucket holding an edge scan forward from the guide. The dense N=50
         grammar (2,700 rules a symbol) draws 512 sentences in 5.1-5.3 instead of 18.5-20.9 ms, where the guide's
         scan alone ran long; small grammars as fast as with that scan (2-core AMD EPYC Zen 3, 2026-11-29)."""
-        u = rng.random(sym.size)
         bucket = sym * self.G + (u * self.G).astype(np.int64)
         r = self.table[bucket]
         scan = np.flatnonzero(r < 0)
@@ -90,17 +89,38 @@ class Sampler:
         level as consecutive (left, right) pairs, so sizes and starts move between levels by strided slices.
         (512 sentences of the tiny grammar: 1.04-1.11 -> 0.70-0.73 ms tokens only, 1.53 -> 1.18 ms with trees, by
         that and the passes above; the same output, 2-core AMD EPYC Zen 3 VM, 2026-11-29.)"""
+        return self.draw_blocks([rng], [m], cap, latents, rejects)[0]
+
+    def draw_blocks(self, rngs, ms, cap: int, latents: bool = True, rejects: bool = True):
+        """`draw(rngs[b], ms[b], ...)` for every block b in one pass: (the blocks' outputs concatenated in block
+        order, int64[blocks] sentences kept per block). Block b's trees are the ones its own call draws: every
+        level's frontier is in sentence order, so block b's nodes are a contiguous run that takes its uniforms
+        from rngs[b], in the order its own call takes them. One pass does each level's work once for all blocks
+        (the stream source samples a batch in blocks of `data.stream_block` rows)."""
+        m = int(sum(ms))
         if m == 0:
             empty = np.zeros((0, cap), np.int32)
-            return {"tokens": empty, "lengths": np.zeros(0, np.int32)} | ({k: empty for k in TREE} if latents else {})
-        pick = np.searchsorted(self.root_cum, rng.random(m), side="right")
+            out = {"tokens": empty, "lengths": np.zeros(0, np.int32)} | ({k: empty for k in TREE} if latents else {})
+            return out, np.zeros(len(ms), np.int64)
+        bounds = np.cumsum(ms)  # sentences [bounds[b] - ms[b], bounds[b]) are block b's
+
+        def uniform(sent):  # block b's nodes (a contiguous run of the sorted `sent`) draw from rngs[b]
+            if len(rngs) == 1:
+                return rngs[0].random(sent.size)
+            parts, done = [], 0
+            for r, end in zip(rngs, np.searchsorted(sent, bounds).tolist(), strict=True):
+                parts.append(r.random(end - done))
+                done = end
+            return np.concatenate(parts)
+
+        pick = np.searchsorted(self.root_cum, uniform(np.arange(m)), side="right")
         sym = self.root_support[np.minimum(pick, self.root_cum.size - 1)]
         sent = np.arange(m, dtype=np.int64)
         alive = np.ones(m, bool)
         words_done = np.zeros(m, np.int64)
         levels = []  # per depth: sym, sent, word (-1: binary), expand (its children: the next level's pairs)
         while sym.size:
-            r = self._rules(rng, sym)
+            r = self._rules(uniform(sent), sym)
             word = self.word[r]
             binary = word < 0
             expand = binary & alive[sent] if rejects else binary
@@ -143,7 +163,12 @@ class Sampler:
                 start = np.empty(2 * start_x.size, np.int64)
                 start[0::2], start[1::2] = start_x, start_x + left_size
         out = {"tokens": tokens[keep], "lengths": lengths[keep].astype(np.int32)}
-        return out | {name: a[keep] for name, a in tree.items()}
+        if len(ms) == 1:
+            kept = np.array([np.count_nonzero(keep)])
+        else:
+            at = np.concatenate([[0], np.cumsum(keep)])[bounds]
+            kept = at - np.concatenate([[0], at[:-1]])
+        return out | {name: a[keep] for name, a in tree.items()}, kept
 
 
 def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool, latents: bool = True) -> Corpus:
@@ -153,17 +178,30 @@ def sample_corpus(sampler: Sampler, n: int, seed: int, cap: int, rejects: bool, 
     `rejects`: the grammar can derive longer sentences, which are dropped, so batches are drawn 25% larger
     (plus 16) until n remain. Deterministic in `seed`; see `PCFG.sample` for the latents.
     """
-    if n < 0:
-        raise ValueError(f"number of sentences must be >= 0, got {n}")
-    rng = np.random.default_rng(seed)
-    parts, have = [], 0
-    while not parts or have < n:  # one draw at least: n = 0 gives empty arrays of the right shapes
-        want = n - have
-        m = want if not rejects else int(want * 1.25) + 16
-        part = sampler.draw(rng, m, cap, latents, rejects)
-        parts.append(part)
-        have += len(part["lengths"])
-    out = {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
+    return sample_blocks(sampler, [n], [seed], cap, rejects, latents)
+
+
+def sample_blocks(sampler: Sampler, ns, seeds, cap: int, rejects: bool, latents: bool = True) -> Corpus:
+    """`sample_corpus(sampler, ns[b], seeds[b], ...)` for every block b, concatenated in block order: the same
+    sentences, with one `draw_blocks` pass for the first draw of all blocks (a block short of sentences after it,
+    by rejection, draws on alone from its own generator, as its own call does)."""
+    if any(n < 0 for n in ns):
+        raise ValueError(f"number of sentences must be >= 0, got {min(ns)}")
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    first, kept = sampler.draw_blocks(rngs, [n if not rejects else int(n * 1.25) + 16 for n in ns], cap, latents,
+                                      rejects)
+    ends, blocks = np.cumsum(kept), []
+    for b, (n, rng) in enumerate(zip(ns, rngs, strict=True)):
+        parts = [{k: v[ends[b] - kept[b]:ends[b]] for k, v in first.items()}]
+        have = int(kept[b])
+        while have < n:
+            want = n - have
+            part = sampler.draw(rng, want if not rejects else int(want * 1.25) + 16, cap, latents, rejects)
+            parts.append(part)
+            have += len(part["lengths"])
+        blocks.append({k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]} if len(parts) > 1 else
+                      {k: v[:n] for k, v in parts[0].items()})
+    out = {k: np.concatenate([blk[k] for blk in blocks]) if len(blocks) > 1 else blocks[0][k] for k in blocks[0]}
     tokens = out.pop("tokens")
     lengths = out.pop("lengths")
     return Corpus(tokens=tokens, lengths=lengths, latents=out)
