@@ -188,15 +188,13 @@ def sample_blocks(sampler: Sampler, ns, seeds, cap: int, rejects: bool, latents:
     if any(n < 0 for n in ns):
         raise ValueError(f"number of sentences must be >= 0, got {min(ns)}")
     rngs = [np.random.default_rng(seed) for seed in seeds]
-    first, kept = sampler.draw_blocks(rngs, [n if not rejects else int(n * 1.25) + 16 for n in ns], cap, latents,
-                                      rejects)
+    first, kept = sampler.draw_blocks(rngs, [_draw_size(n, rejects) for n in ns], cap, latents, rejects)
     ends, blocks = np.cumsum(kept), []
     for b, (n, rng) in enumerate(zip(ns, rngs, strict=True)):
         parts = [{k: v[ends[b] - kept[b]:ends[b]] for k, v in first.items()}]
         have = int(kept[b])
         while have < n:
-            want = n - have
-            part = sampler.draw(rng, want if not rejects else int(want * 1.25) + 16, cap, latents, rejects)
+            part = sampler.draw(rng, _draw_size(n - have, rejects), cap, latents, rejects)
             parts.append(part)
             have += len(part["lengths"])
         blocks.append({k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]} if len(parts) > 1 else
@@ -205,3 +203,8 @@ def sample_blocks(sampler: Sampler, ns, seeds, cap: int, rejects: bool, latents:
     tokens = out.pop("tokens")
     lengths = out.pop("lengths")
     return Corpus(tokens=tokens, lengths=lengths, latents=out)
+
+
+def _draw_size(want: int, rejects: bool) -> int:
+    """Trees drawn for `want` sentences: 25 % more plus 16 where long ones are dropped (`sample_corpus`)."""
+    return want if not rejects else int(want * 1.25) + 16
