@@ -139,15 +139,17 @@ def test_stream_global_batch_is_the_same_for_any_process_count(block):
                                   whole[0]["tokens"])
 
 
+@pytest.mark.parametrize("name", ["pcfg", "hmm"])
 @pytest.mark.parametrize("block, count", [(3, 1), (3, 2), (512, 1)])
-def test_stream_batches_of_a_pcfg_sampled_in_one_pass_are_its_per_block_batches(block, count):
-    """A language with `sample_blocks` (the PCFG) samples a stream batch's blocks in one pass: every row the same
-    as a language offering only `sample` gets, one call per block (the reference), for one process and two."""
+def test_stream_batches_sampled_in_one_pass_are_the_per_block_batches(name, block, count):
+    """A language with `sample_blocks` (the PCFG, the HMM) samples a stream batch's blocks in one pass: every row
+    the same as a language offering only `sample` gets, one call per block (the reference), for one process and
+    two."""
     from flatlm.languages.pcfg import random_grammar
 
-    lang = random_grammar(0)
+    lang = random_grammar(0) if name == "pcfg" else random_hmm(0, num_states=6, vocab_size=8, length=6, num_blocks=2)
 
-    class PerBlock:  # the PCFG without `sample_blocks`: the pipeline calls `sample` once per block
+    class PerBlock:  # the language without `sample_blocks`: the pipeline calls `sample` once per block
         def __getattr__(self, name):
             if name == "sample_blocks":
                 raise AttributeError(name)

@@ -184,35 +184,6 @@ def test_sampler_without_the_reject_bookkeeping_draws_the_same_trees():
                 np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.mark.parametrize("cap", [None, 3])  # 3: most sentences are longer and dropped
-def test_sample_blocks_gives_each_block_the_sentences_of_its_own_call(cap, monkeypatch):
-    """`PCFG.sample_blocks(ns, seeds)` (one pass over all blocks: the stream source's batches) against the
-    reference `sample(ns[b], seeds[b])` per block, concatenated: the same tokens, lengths and trees, for blocks of
-    0, 1, 3 and 64 sentences. With the cap of 3 most draws are rejected, and blocks left short after the shared
-    pass draw on alone (counted: it happens)."""
-    from flatlm.languages.pcfg.sample import Sampler
-
-    g = random_grammar(0)
-    g = g if cap is None else PCFG(g.root, g.binary, g.emit, max_length=cap)
-    assert g._rejects == (cap is not None)
-    alone = []
-    real_draw = Sampler.draw
-    monkeypatch.setattr(Sampler, "draw", lambda self, *a, **kw: alone.append(1) or real_draw(self, *a, **kw))
-    ns, seeds = [64, 0, 1, 3, 64], [5, 6, 7, 8, 9]
-    for latents in (False, True):
-        got = g.sample_blocks(ns, seeds, latents=latents)
-        alone_in_blocks = len(alone)
-        want = [g.sample(n, seed, latents=latents) for n, seed in zip(ns, seeds, strict=True)]
-        np.testing.assert_array_equal(got.tokens, np.concatenate([c.tokens for c in want]))
-        np.testing.assert_array_equal(got.lengths, np.concatenate([c.lengths for c in want]))
-        assert got.latents.keys() == want[0].latents.keys() and bool(got.latents) == latents
-        for k in got.latents:
-            np.testing.assert_array_equal(got.latents[k], np.concatenate([c.latents[k] for c in want]), err_msg=k)
-        assert got.tokens.dtype == want[0].tokens.dtype and got.lengths.dtype == want[0].lengths.dtype
-        assert (alone_in_blocks > 0) == (cap is not None)
-        alone.clear()
-
-
 @pytest.mark.parametrize("name", ["dense", "layered"])
 def test_zero_sentences_are_empty_arrays_and_a_negative_count_is_refused(name):
     """sample(0) returns empty arrays of the usual shapes (it raised IndexError before), for grammars with and

@@ -78,7 +78,7 @@ class _SampleRows(grain.transforms.Map):
         blocks = range(first, (self.hi - 1) // self.block + 1)
         sizes = [min(self.block, self.batch_size - block * self.block) for block in blocks]
         seeds = [np.random.SeedSequence([self.seed, int(index), block]).generate_state(2) for block in blocks]
-        # tokens and lengths only; a language with `sample_blocks` (the PCFG) samples every block in one pass
+        # tokens and lengths only; a language with `sample_blocks` (PCFG, HMM) samples every block in one pass
         if hasattr(self.language, "sample_blocks"):
             corpus = self.language.sample_blocks(sizes, [int(s[0]) for s in seeds], latents=False)
             ends = np.cumsum(sizes)

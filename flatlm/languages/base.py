@@ -52,7 +52,8 @@ class Language(Protocol):
     """What the data pipeline, the evaluators and the lookup-table baseline need from a language.
 
     Optional: `sample_blocks(ns, seeds, latents)`, the sentences of `sample(ns[b], seeds[b], latents)` for every
-    block b, concatenated; the stream source calls it when a language has it (the PCFG), else `sample` per block."""
+    block b, concatenated; the stream source calls it when a language has it (the PCFG, the HMM), else `sample`
+    per block."""
 
     vocab_size: int
     max_length: int

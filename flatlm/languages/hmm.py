@@ -103,26 +103,47 @@ class HMM:
 
         Deterministic in (n, seed), and the first m sentences of `sample(n, seed)` equal `sample(m, seed)`.
         """
-        if n < 0:
-            raise ValueError(f"number of sentences must be >= 0, got {n}")
+        return self.sample_blocks([n], [seed], latents)
+
+    def sample_blocks(self, ns, seeds, latents: bool = True) -> Corpus:
+        """`sample(ns[b], seeds[b], latents)` for every block b, concatenated in block order: the same sentences.
+        A sentence is a function of its own uniforms, which block b draws from its generator in chunks of
+        `_SAMPLE_CHUNK` rows as its own call does; the chain then runs once over the rows of several small blocks
+        (the stream source's batch of `data.stream_block`-row blocks) instead of once per block."""
+        if any(n < 0 for n in ns):
+            raise ValueError(f"number of sentences must be >= 0, got {min(ns)}")
         T = self.length
-        rng = np.random.default_rng(seed)
         if self._samplers is None:  # the arrays are read-only: built on the first call
             object.__setattr__(self, "_samplers", tuple(
                 RowSampler(p) for p in (self.initial[None, :], self.transition, self.emission)))
+        N = int(sum(ns))
+        states_NT = np.empty((N, T), dtype=np.int32)
+        tokens_NT = np.empty((N, T), dtype=np.int32)
+        pending, done = [], 0
+        for n, seed in zip(ns, seeds, strict=True):
+            rng = np.random.default_rng(seed)
+            for start in range(0, n, _SAMPLE_CHUNK):
+                stop = min(n, start + _SAMPLE_CHUNK)
+                pending.append(rng.integers(0, 1 << RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64))
+                if sum(len(u) for u in pending) >= _SAMPLE_CHUNK:
+                    done = self._chain(np.concatenate(pending), states_NT, tokens_NT, done)
+                    pending = []
+        if pending:
+            done = self._chain(np.concatenate(pending) if len(pending) > 1 else pending[0], states_NT, tokens_NT, done)
+        return Corpus(tokens_NT, np.full(N, T, dtype=np.int32), {"states": states_NT} if latents else {})
+
+    def _chain(self, u_B2T, states_NT, tokens_NT, start: int) -> int:
+        """Rows [start, start + B) of `states_NT` / `tokens_NT` from their uniforms u_B2T (the state draws in
+        [:, 0], the word draws in [:, 1]); returns start + B."""
         init_sampler, trans_sampler, emit_sampler = self._samplers
-        states_NT = np.empty((n, T), dtype=np.int32)
-        tokens_NT = np.empty((n, T), dtype=np.int32)
-        for start in range(0, n, _SAMPLE_CHUNK):
-            stop = min(n, start + _SAMPLE_CHUNK)
-            u_B2T = rng.integers(0, 1 << RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64)
-            z_B = init_sampler(np.zeros(stop - start, dtype=np.int64), u_B2T[:, 0, 0])
-            for t in range(T):
-                if t > 0:
-                    z_B = trans_sampler(z_B, u_B2T[:, 0, t])
-                states_NT[start:stop, t] = z_B
-                tokens_NT[start:stop, t] = emit_sampler(z_B, u_B2T[:, 1, t])
-        return Corpus(tokens_NT, np.full(n, T, dtype=np.int32), {"states": states_NT} if latents else {})
+        stop = start + len(u_B2T)
+        z_B = init_sampler(np.zeros(len(u_B2T), dtype=np.int64), u_B2T[:, 0, 0])
+        for t in range(self.length):
+            if t > 0:
+                z_B = trans_sampler(z_B, u_B2T[:, 0, t])
+            states_NT[start:stop, t] = z_B
+            tokens_NT[start:stop, t] = emit_sampler(z_B, u_B2T[:, 1, t])
+        return stop
 
     # ---------------------------------------------------------------- exact inference
 
