@@ -119,15 +119,16 @@ class HMM:
         N = int(sum(ns))
         states_NT = np.empty((N, T), dtype=np.int32)
         tokens_NT = np.empty((N, T), dtype=np.int32)
-        pending, done = [], 0
+        pending, rows, done = [], 0, 0  # uniforms not yet run through the chain, and their row count
         for n, seed in zip(ns, seeds, strict=True):
             rng = np.random.default_rng(seed)
             for start in range(0, n, _SAMPLE_CHUNK):
                 stop = min(n, start + _SAMPLE_CHUNK)
                 pending.append(rng.integers(0, 1 << RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64))
-                if sum(len(u) for u in pending) >= _SAMPLE_CHUNK:
+                rows += stop - start
+                if rows >= _SAMPLE_CHUNK:
                     done = self._chain(np.concatenate(pending), states_NT, tokens_NT, done)
-                    pending = []
+                    pending, rows = [], 0
         if pending:
             done = self._chain(np.concatenate(pending) if len(pending) > 1 else pending[0], states_NT, tokens_NT, done)
         return Corpus(tokens_NT, np.full(N, T, dtype=np.int32), {"states": states_NT} if latents else {})
