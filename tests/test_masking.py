@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from flatlm.data.masking import mask_batch
+from flatlm.data.masking import BlockGenerators, mask_batch
 
 V = 20  # words 0..19, pad 20, mask 21
 
@@ -94,3 +95,28 @@ def test_last_use_single_masking_is_the_same_batch():
     ref = np.random.default_rng(5)
     ref.random(500), ref.integers(0, V, size=tokens.shape)  # the stream as before: the draw is still made
     assert rng.random() == ref.random()
+
+
+@pytest.mark.parametrize("masking", ["single", "bert"])
+@pytest.mark.parametrize("last_use", [False, True])
+def test_block_generators_mask_each_block_as_its_own_call(masking, last_use):
+    """One `mask_batch` over blocks of rows with `BlockGenerators` (block b draws from generator b) against the
+    reference, one `mask_batch` per block with its generator: the same arrays, blocks of 0 to 7 rows; and each
+    generator is left where its own call leaves it."""
+    rng = np.random.default_rng(0)
+    sizes, T = [3, 0, 1, 7, 2], 9
+    tokens = rng.integers(0, 20, (sum(sizes), T))
+    lengths = rng.integers(0, T + 1, sum(sizes))
+    kw = dict(num_words=20, masking=masking, last_use=last_use)
+    got_rngs = [np.random.default_rng(s) for s in range(len(sizes))]
+    got = mask_batch(tokens, lengths, rng=BlockGenerators(got_rngs, sizes), **kw)
+    want_rngs = [np.random.default_rng(s) for s in range(len(sizes))]
+    ends = np.cumsum(sizes)
+    want = [mask_batch(tokens[e - n:e], lengths[e - n:e], rng=r, **kw)
+            for n, e, r in zip(sizes, ends, want_rngs, strict=True)]
+    assert got.keys() == want[0].keys()
+    for k in got:
+        np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]), err_msg=k)
+    assert [r.random() for r in got_rngs] == [r.random() for r in want_rngs]
+    with pytest.raises(ValueError, match="BlockGenerators has 13 rows, asked for 4"):
+        BlockGenerators(got_rngs, sizes).random((4, T))

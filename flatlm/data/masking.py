@@ -46,6 +46,30 @@ class RowHash:
         return low + np.floor(self.random(size) * (high - low)).astype(np.int64)
 
 
+class BlockGenerators:
+    """A stand-in for a numpy Generator in `mask_batch` over a batch made of blocks of rows: block b (`sizes[b]`
+    consecutive rows) draws from `rngs[b]`, so its rows are masked as `mask_batch` on that block alone with
+    `rngs[b]` masks them (every draw of `mask_batch` has the rows as its leading axis). The stream source masks a
+    batch of `data.stream_block`-row blocks, each with its own generator, in one call."""
+
+    def __init__(self, rngs, sizes):
+        self.rngs, self.sizes = list(rngs), [int(n) for n in sizes]
+
+    def _split(self, shape, draw) -> np.ndarray:
+        shape = (shape,) if np.isscalar(shape) else tuple(shape)
+        if shape[0] != sum(self.sizes):
+            raise ValueError(f"BlockGenerators has {sum(self.sizes)} rows, asked for {shape[0]}")
+        return np.concatenate([draw(r, (n,) + shape[1:]) for r, n in zip(self.rngs, self.sizes, strict=True)])
+
+    def random(self, shape) -> np.ndarray:
+        """Uniform [0, 1) floats of `shape` (leading axis: the rows), block b's from its generator."""
+        return self._split(shape, lambda r, s: r.random(s))
+
+    def integers(self, low: int, high: int, size) -> np.ndarray:
+        """Integers in [low, high) of `size` (leading axis: the rows), block b's from its generator."""
+        return self._split(size, lambda r, s: r.integers(low, high, size=s))
+
+
 def _splitmix(x):
     """splitmix64's finalizer on uint64 (arrays or scalars): a bijection with full avalanche."""
     with np.errstate(over="ignore"):

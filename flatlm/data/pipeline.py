@@ -20,7 +20,7 @@ import numpy as np
 
 from flatlm.config import LEGACY_STREAM_BLOCK
 from flatlm.data.builder import corpus_arrays, read_items
-from flatlm.data.masking import RowHash, mask_batch
+from flatlm.data.masking import BlockGenerators, RowHash, mask_batch
 
 
 class _CorpusRows(grain.transforms.Map):
@@ -81,15 +81,15 @@ class _SampleRows(grain.transforms.Map):
         # tokens and lengths only; a language with `sample_blocks` (PCFG, HMM) samples every block in one pass
         if hasattr(self.language, "sample_blocks"):
             corpus = self.language.sample_blocks(sizes, [int(s[0]) for s in seeds], latents=False)
-            ends = np.cumsum(sizes)
-            corpora = [(corpus.tokens[e - n:e], corpus.lengths[e - n:e]) for n, e in zip(sizes, ends, strict=True)]
+            tokens, lengths = corpus.tokens, corpus.lengths
         else:
-            corpora = [(c.tokens, c.lengths) for c in (self.language.sample(n, seed=int(s[0]), latents=False)
-                                                       for n, s in zip(sizes, seeds, strict=True))]
-        parts = [mask_batch(tokens.astype(np.int32), lengths.astype(np.int32), rng=np.random.default_rng(int(s[1])),
-                            last_use=True, **self.mask_kw) for (tokens, lengths), s in zip(corpora, seeds, strict=True)]
+            corpora = [self.language.sample(n, seed=int(s[0]), latents=False)
+                       for n, s in zip(sizes, seeds, strict=True)]
+            tokens, lengths = (np.concatenate([getattr(c, k) for c in corpora]) for k in ("tokens", "lengths"))
+        rng = BlockGenerators([np.random.default_rng(int(s[1])) for s in seeds], sizes)  # each block its own masks
+        batch = mask_batch(tokens.astype(np.int32), lengths.astype(np.int32), rng=rng, last_use=True, **self.mask_kw)
         rows = slice(self.lo - first * self.block, self.hi - first * self.block)
-        return {k: np.concatenate([p[k] for p in parts])[rows] for k in parts[0]}
+        return {k: v[rows] for k, v in batch.items()}
 
 
 def local_rows(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
