@@ -21,6 +21,7 @@ import numpy as np
 from flatlm.config import LEGACY_STREAM_BLOCK
 from flatlm.data.builder import corpus_arrays, read_items
 from flatlm.data.masking import BlockGenerators, RowHash, mask_batch
+from flatlm.languages.base import sample_blocks
 
 
 class _CorpusRows(grain.transforms.Map):
@@ -78,16 +79,10 @@ class _SampleRows(grain.transforms.Map):
         blocks = range(first, (self.hi - 1) // self.block + 1)
         sizes = [min(self.block, self.batch_size - block * self.block) for block in blocks]
         seeds = [np.random.SeedSequence([self.seed, int(index), block]).generate_state(2) for block in blocks]
-        # tokens and lengths only; a language with `sample_blocks` (PCFG, HMM) samples every block in one pass
-        if hasattr(self.language, "sample_blocks"):
-            corpus = self.language.sample_blocks(sizes, [int(s[0]) for s in seeds], latents=False)
-            tokens, lengths = corpus.tokens, corpus.lengths
-        else:
-            corpora = [self.language.sample(n, seed=int(s[0]), latents=False)
-                       for n, s in zip(sizes, seeds, strict=True)]
-            tokens, lengths = (np.concatenate([getattr(c, k) for c in corpora]) for k in ("tokens", "lengths"))
+        corpus = sample_blocks(self.language, sizes, [int(s[0]) for s in seeds], latents=False)  # tokens, lengths
         rng = BlockGenerators([np.random.default_rng(int(s[1])) for s in seeds], sizes)  # each block its own masks
-        batch = mask_batch(tokens.astype(np.int32), lengths.astype(np.int32), rng=rng, last_use=True, **self.mask_kw)
+        batch = mask_batch(corpus.tokens.astype(np.int32), corpus.lengths.astype(np.int32), rng=rng, last_use=True,
+                           **self.mask_kw)
         rows = slice(self.lo - first * self.block, self.hi - first * self.block)
         return {k: v[rows] for k, v in batch.items()}
 

@@ -52,8 +52,8 @@ class Language(Protocol):
     """What the data pipeline, the evaluators and the lookup-table baseline need from a language.
 
     Optional: `sample_blocks(ns, seeds, latents)`, the sentences of `sample(ns[b], seeds[b], latents)` for every
-    block b, concatenated; the stream source calls it when a language has it (the PCFG, the HMM), else `sample`
-    per block."""
+    block b, concatenated, in one pass (the PCFG, the HMM); `sample_blocks(language, ...)` below falls back to
+    one `sample` call per block."""
 
     vocab_size: int
     max_length: int
@@ -70,6 +70,17 @@ class Language(Protocol):
     def conditionals(self, tokens, lengths):
         """Exact q[n, T, V] with q[b, t, w] = P(x_t = w | x_-t) for t < lengths[b], 0 beyond."""
         ...
+
+
+def sample_blocks(language: Language, ns, seeds, latents: bool = True) -> Corpus:
+    """The sentences of `language.sample(ns[b], seeds[b], latents)` for every block b, concatenated in block order:
+    by the language's own one-pass `sample_blocks` where it has one, else one `sample` call per block (the stream
+    source's batch of `data.stream_block`-row blocks)."""
+    if hasattr(language, "sample_blocks"):
+        return language.sample_blocks(ns, seeds, latents=latents)
+    corpora = [language.sample(n, seed=seed, latents=latents) for n, seed in zip(ns, seeds, strict=True)]
+    return Corpus(np.concatenate([c.tokens for c in corpora]), np.concatenate([c.lengths for c in corpora]),
+                  {k: np.concatenate([c.latents[k] for c in corpora]) for k in corpora[0].latents})
 
 
 HOST_TRANSFER_ENV = "FLATLM_HOST_TRANSFER"

@@ -127,15 +127,16 @@ class HMM:
                 pending.append(rng.integers(0, 1 << RowSampler.BITS, size=(stop - start, 2, T), dtype=np.int64))
                 rows += stop - start
                 if rows >= _SAMPLE_CHUNK:
-                    done = self._chain(np.concatenate(pending), states_NT, tokens_NT, done)
-                    pending, rows = [], 0
+                    done, pending, rows = self._chain(pending, states_NT, tokens_NT, done), [], 0
         if pending:
-            done = self._chain(np.concatenate(pending) if len(pending) > 1 else pending[0], states_NT, tokens_NT, done)
+            self._chain(pending, states_NT, tokens_NT, done)
         return Corpus(tokens_NT, np.full(N, T, dtype=np.int32), {"states": states_NT} if latents else {})
 
-    def _chain(self, u_B2T, states_NT, tokens_NT, start: int) -> int:
-        """Rows [start, start + B) of `states_NT` / `tokens_NT` from their uniforms u_B2T (the state draws in
-        [:, 0], the word draws in [:, 1]); returns start + B."""
+    def _chain(self, u_parts, states_NT, tokens_NT, start: int) -> int:
+        """Rows [start, start + B) of `states_NT` / `tokens_NT` from their uniforms, the arrays `u_parts` stacked
+        into u_B2T (the state draws in [:, 0], the word draws in [:, 1]; one array is used as it is); returns
+        start + B."""
+        u_B2T = u_parts[0] if len(u_parts) == 1 else np.concatenate(u_parts)
         init_sampler, trans_sampler, emit_sampler = self._samplers
         stop = start + len(u_B2T)
         z_B = init_sampler(np.zeros(len(u_B2T), dtype=np.int64), u_B2T[:, 0, 0])
