@@ -205,6 +205,12 @@ def throughput(call, n: int, rounds: int = 5) -> dict:
     return dict(sentences=n, seconds=sec, sentences_per_s=n / sec, compile_s=max(first - sec, 0.0))
 
 
+def shown(name: str, row: dict) -> dict:
+    """{name: row}, printed at once (a run cut off by its time limit still shows the rows it measured)."""
+    print(f"  {name}: {row['sentences_per_s']:,.0f} sent/s, compile {row['compile_s']:.1f} s", flush=True)
+    return {name: row}
+
+
 def per_chunk(make_row, chunks: list[int]) -> dict:
     """{row: result} of make_row(chunk) for each chunk size; a chunk that fails (out of memory) is an error row
     and the others still run (the sweep that a backend-aware default chunk would be read from)."""
@@ -230,22 +236,27 @@ def with_transfer(how: str, call):
             os.environ[HOST_TRANSFER_ENV] = before
 
 
-def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("pageable",)) -> dict:
+def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("pageable",),
+                      layouts=None) -> dict:
     """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out), at each
-    inference chunk size (default 4096), host transfer and chart layout (the batch-minor one is the CPU's default
-    and not yet measured on an accelerator, whose default stays symbol minor: `kernels.default_layout`)."""
+    inference chunk size (default 4096), host transfer and chart layout (default both; the batch-minor one is the
+    CPU's default, the symbol-minor one an accelerator's: `kernels.default_layout`)."""
     n_pcfg = 256 if small else 16384
+    layouts = layouts or (("batch_minor",) if small else ("symbol_minor", "batch_minor"))
 
     def one(chunk, layout):
         g = random_grammar(0, batch_size=chunk)
         g._engine.layout = layout
         c = g.sample(n_pcfg, seed=1)
-        return {f"pcfg released-shape, chunk {chunk}, {layout}, {how}": with_transfer(how, lambda: throughput(
-            lambda: g.conditionals(c.tokens, c.lengths), n_pcfg)) for how in transfers}
-
-    def row(chunk):  # --small (the tests' toy run) forces the one layout
         out = {}
-        for layout in ("batch_minor",) if small else ("symbol_minor", "batch_minor"):
+        for how in transfers:
+            out.update(shown(f"pcfg released-shape, chunk {chunk}, {layout}, {how}", with_transfer(
+                how, lambda: throughput(lambda: g.conditionals(c.tokens, c.lengths), n_pcfg))))
+        return out
+
+    def row(chunk):
+        out = {}
+        for layout in layouts:
             out.update(one(chunk, layout))
         return out
 
@@ -276,8 +287,8 @@ def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
     h = hmm.sample(n_hmm, seed=1)
     for how in transfers:
         for chunk in sorted({hmm_lib._CHUNK, hchunk, n_hmm}):  # the default (the CPU's), a GPU-sized one, all
-            rows[f"hmm K=100 V=200 T=16, chunk {chunk}, {how}"] = with_transfer(how, lambda c=chunk: throughput(
-                lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))
+            rows.update(shown(f"hmm K=100 V=200 T=16, chunk {chunk}, {how}", with_transfer(
+                how, lambda c=chunk: throughput(lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))))
     # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
     # exact-loss evaluator's KL) sees, without the [n, T, V] float32 copy to the host (12.8 kB a sentence).
     params = hmm._params()
@@ -335,13 +346,19 @@ def main(argv=None) -> int:
                    "slice counts, comma-separated (train.microbatches: gradient accumulation), e.g. 4,8")
     p.add_argument("--transfers", default="pageable,pinned", help="host transfers of the released PCFG and HMM "
                    "rows ($FLATLM_HOST_TRANSFER values), comma-separated")
+    p.add_argument("--layouts", default="", help="released-shape PCFG chart layouts, comma-separated (default "
+                   "symbol_minor,batch_minor; --small: batch_minor)")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # hf_in_child's entry point
     args = p.parse_args(argv)
     sizes = lambda text: [int(x) for x in text.split(",") if x] or None  # noqa: E731
     transfers = tuple(x for x in args.transfers.split(",") if x)
     if bad := [x for x in transfers if x not in HOST_TRANSFERS]:  # checked before minutes of device time, not after
         p.error(f"--transfers: unknown {', '.join(bad)}; choose from {', '.join(HOST_TRANSFERS)}")
-    rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks), transfers=transfers),
+    layouts = tuple(x for x in args.layouts.split(",") if x)
+    if bad := [x for x in layouts if x not in ("symbol_minor", "batch_minor")]:
+        p.error(f"--layouts: unknown {', '.join(bad)}; choose from symbol_minor, batch_minor")
+    rows = {"pcfg-released": functools.partial(pcfg_released_row, chunks=sizes(args.pcfg_chunks), transfers=transfers,
+                                               layouts=layouts),
             "pcfg-dense": functools.partial(pcfg_dense_row, chunks=sizes(args.dense_chunks)),
             "hmm": functools.partial(hmm_rows, transfers=transfers)}
     which = [w for w in args.conditionals.split(",") if w]
