@@ -285,10 +285,15 @@ def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
     hmm = random_hmm(seed=0)
     n_hmm, hchunk = (1024, 256) if small else (262144, 65536)
     h = hmm.sample(n_hmm, seed=1)
+    calls = lambda: [hmm.conditionals(h.tokens[a:a + 1024], h.lengths[a:a + 1024])  # noqa: E731
+                     for a in range(0, n_hmm, 1024)]
     for how in transfers:
-        for chunk in sorted({hmm_lib._CHUNK, hchunk, n_hmm}):  # the default (the CPU's), a GPU-sized one, all
-            rows.update(shown(f"hmm K=100 V=200 T=16, chunk {chunk}, {how}", with_transfer(
+        for chunk in [None, *sorted({hmm_lib._CHUNK, hchunk, n_hmm})]:  # the default, the CPU's, GPU-sized, all
+            rows.update(shown(f"hmm K=100 V=200 T=16, chunk {chunk or 'default'}, {how}", with_transfer(
                 how, lambda c=chunk: throughput(lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))))
+        # the dataset builder's pattern: one call per `builder.CHUNK` (1024) sentences, each its own host array
+        rows.update(shown(f"hmm K=100 V=200 T=16, calls of 1024 sentences, {how}",
+                          with_transfer(how, lambda: throughput(calls, n_hmm))))
     # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
     # exact-loss evaluator's KL) sees, without the [n, T, V] float32 copy to the host (12.8 kB a sentence).
     params = hmm._params()

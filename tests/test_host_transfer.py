@@ -1,5 +1,6 @@
-"""$FLATLM_HOST_TRANSFER: kernels' outputs reach numpy through pageable (default) or pinned host memory with the
-same bits, chunked or not, for the HMM and the PCFG engine (one worker and several); a bad value is one line."""
+"""$FLATLM_HOST_TRANSFER: kernels' outputs reach numpy through pageable (the CPU's default) or pinned (an
+accelerator's) host memory with the same bits, chunked or not, for the HMM and the PCFG engine (one worker and
+several); a bad value is one line."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ from flatlm.errors import UserError
 from flatlm.languages.base import HOST_TRANSFER_ENV, host_transfer, start_host_copy
 from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import random_grammar
+
+
+def test_the_default_is_pageable_on_the_cpu_and_pinned_on_accelerators(monkeypatch):
+    monkeypatch.delenv(HOST_TRANSFER_ENV, raising=False)
+    assert [host_transfer(p) for p in ("cpu", "gpu", "tpu")] == ["pageable", "pinned", "pinned"]
+    assert host_transfer() == "pageable"  # these tests' backend
+    for how in ("pageable", "pinned"):  # the variable wins on every platform
+        monkeypatch.setenv(HOST_TRANSFER_ENV, how)
+        assert [host_transfer(p) for p in ("cpu", "gpu")] == [how, how]
 
 
 def test_start_host_copy_puts_the_values_where_asked(monkeypatch):

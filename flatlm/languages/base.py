@@ -87,10 +87,12 @@ HOST_TRANSFER_ENV = "FLATLM_HOST_TRANSFER"
 HOST_TRANSFERS = ("pageable", "pinned")
 
 
-def host_transfer() -> str:
-    """How inference kernels' outputs reach numpy, from $FLATLM_HOST_TRANSFER (read at each call, so one process
-    can compare both): "pageable" (default) or "pinned"; see `start_host_copy`."""
-    how = os.environ.get(HOST_TRANSFER_ENV, "pageable")
+def host_transfer(platform: str | None = None) -> str:
+    """How inference kernels' outputs on `platform` (None: JAX's default backend) reach numpy: $FLATLM_HOST_TRANSFER
+    (read at each call, so one process can compare both), else "pageable" on the CPU and "pinned" on an
+    accelerator; see `start_host_copy`."""
+    default = "pageable" if (platform or jax.default_backend()) == "cpu" else "pinned"
+    how = os.environ.get(HOST_TRANSFER_ENV) or default
     if how not in HOST_TRANSFERS:
         raise UserError(f"{HOST_TRANSFER_ENV}={how!r} is not one of {', '.join(HOST_TRANSFERS)}; unset it or pick one")
     return how
@@ -102,12 +104,12 @@ def start_host_copy(x: jax.Array) -> jax.Array:
     "pageable": `copy_to_host_async`, then `np.asarray` makes numpy's copy (on the CPU backend x already is in
     host memory and `np.asarray` shares it). "pinned": a `device_put` into the device's pinned host memory, one
     DMA that `np.asarray` reads in place (checked on the CPU backend; jax-ml/jax#22114 relies on it on GPUs).
-    Why: JAX's device-to-host copy into pageable memory stages through a bounded buffer (about 2.7 GB/s reported
-    on an H100 where a plain CUDA copy reached 25 GB/s, jax-ml/jax#21438), and the HMM's conditionals are
-    12.8 kB a sentence: 96k sentences/s end to end on an H100 against a 19M/s kernel (benchmarks/RESULTS.md).
-    Not yet measured by flatlm on a device, hence not the default: `benchmarks/gpu.py --transfers` times both.
-    On the CPU "pinned" costs one more copy (it runs so that the tests check it)."""
-    if host_transfer() == "pinned":
+    Why pinned on accelerators: JAX's device-to-host copy into pageable memory stages through a bounded buffer,
+    and the HMM's conditionals are 12.8 kB a sentence. On an H200 (benchmarks/RESULTS.md, 2026-11-29) one chunk of
+    them reached numpy at 1.34 GB/s pageable and 50.3 GB/s pinned (torch's pinned copy: 55.3); end to end the HMM
+    ran at 126k vs 3.31M sentences/s in one call, the released PCFG at 90k vs 188k. On the CPU "pinned" costs one
+    more copy (`FLATLM_HOST_TRANSFER=pinned` runs it there so that the tests check it)."""
+    if host_transfer(next(iter(x.devices())).platform) == "pinned":
         return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
     x.copy_to_host_async()
     return x

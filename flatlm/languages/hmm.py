@@ -22,10 +22,12 @@ from flatlm.languages.base import Corpus, host_outputs, special_ids
 from flatlm.languages.row_sampler import RowSampler
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
-# Sentences per device call. Bounds temporary memory at about chunk * T * (2K + V) floats; small enough that
-# the allocator recycles each call's buffers (measured: with 4096, page faults on the fresh 50 MB output took
-# ~30% of the CPU time).
-_CHUNK = 1024
+# Sentences per device call (`chunk_size=None`). Bounds temporary memory at about chunk * T * (2K + V) floats.
+# CPU: small enough that the allocator recycles each call's buffers (with 4096, page faults on the fresh 50 MB
+# output took ~30% of the CPU time). Accelerators: a call of up to 2^18 paper-HMM sentences (3.4 GB of q) in one
+# chunk reaches numpy in place; in chunks of 2^16 its copy into one fresh output array cut 3.31M to 268k sent/s
+# (H200, pinned; RESULTS.md 2026-11-29).
+_CHUNK, _ACCEL_CHUNK = 1024, 1 << 18
 _SAMPLE_CHUNK = 1 << 16  # sentences per numpy sampling step
 
 
@@ -149,18 +151,18 @@ class HMM:
 
     # ---------------------------------------------------------------- exact inference
 
-    def log_prob(self, tokens, lengths, *, chunk_size: int = _CHUNK) -> np.ndarray:
+    def log_prob(self, tokens, lengths, *, chunk_size: int | None = None) -> np.ndarray:
         """log P(x_0..x_{L-1}) in nats for each sentence: [n] (-inf for impossible sentences)."""
         return self._run(_log_prob_fn, tokens, lengths, chunk_size)
 
-    def conditionals(self, tokens, lengths, *, chunk_size: int = _CHUNK) -> np.ndarray:
+    def conditionals(self, tokens, lengths, *, chunk_size: int | None = None) -> np.ndarray:
         """q[b, t, w] = P(x_t = w | x_{-t}): [n, T, V], rows summing to 1 for t < lengths[b], 0 beyond.
 
         A row is all 0 also where the context x_{-t} itself has probability 0.
         """
         return self._run(_conditionals_fn, tokens, lengths, chunk_size)
 
-    def state_posteriors(self, tokens, lengths, *, chunk_size: int = _CHUNK) -> np.ndarray:
+    def state_posteriors(self, tokens, lengths, *, chunk_size: int | None = None) -> np.ndarray:
         """P(z_t = k | x): [n, T, K] for t < lengths[b], 0 beyond (and 0 for impossible sentences)."""
         return self._run(_posteriors_fn, tokens, lengths, chunk_size)
 
@@ -218,10 +220,12 @@ class HMM:
             cache[dtype] = tuple(jnp.asarray(p, dtype) for p in params)
         return cache[dtype]
 
-    def _run(self, fn, tokens, lengths, chunk_size: int) -> np.ndarray:
-        """Applies a jitted kernel in chunks of at most chunk_size sentences, padding each call to a bucket
-        size (a power of two up to chunk_size) so that only a few shapes are ever compiled. Chunk i+1 is
-        dispatched before chunk i is copied to the host, so device work overlaps the transfer."""
+    def _run(self, fn, tokens, lengths, chunk_size: int | None) -> np.ndarray:
+        """Applies a jitted kernel in chunks of at most chunk_size sentences (None: `_CHUNK` on the CPU,
+        `_ACCEL_CHUNK` on an accelerator), padding each call to a bucket size (a power of two up to chunk_size)
+        so that only a few shapes are ever compiled. Chunk i+1 is dispatched before chunk i is copied to the host,
+        so device work overlaps the transfer."""
+        chunk_size = (_CHUNK if jax.default_backend() == "cpu" else _ACCEL_CHUNK) if chunk_size is None else chunk_size
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         tokens_NT, lengths_N = self._check_batch(tokens, lengths)
