@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flatlm.languages.base import Corpus, host_outputs, special_ids
+from flatlm.languages.base import Corpus, exact_dot, host_outputs, special_ids
 from flatlm.languages.row_sampler import RowSampler
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
@@ -281,7 +281,7 @@ def _forward(initial_K, transition_KK, like_TBK):
     preds, filts, scales = [], [], []
     for t in range(T):
         if t > 0:
-            pred_BK = filts[-1] @ transition_KK
+            pred_BK = exact_dot(filts[-1], transition_KK)
         joint_BK = pred_BK * like_TBK[t]
         c_B = joint_BK.sum(-1)
         preds.append(pred_BK)
@@ -300,7 +300,7 @@ def _backward(transition_KK, like_TBK):
     beta_BK = jnp.ones((B, K), like_TBK.dtype) / K
     betas = [beta_BK]
     for t in range(T - 2, -1, -1):
-        beta_BK = (like_TBK[t + 1] * beta_BK) @ transition_KK.T
+        beta_BK = exact_dot(like_TBK[t + 1] * beta_BK, transition_KK.T)
         beta_BK = beta_BK / _safe(beta_BK.sum(-1))[:, None]
         betas.append(beta_BK)
     return betas[::-1]
@@ -332,7 +332,7 @@ def _conditionals_fn(initial_K, transition_KK, emission_KV, tokens_BT, lengths_B
     preds, _, _ = _forward(initial_K, transition_KK, like_TBK)
     betas = _backward(transition_KK, like_TBK)
     w_BTK = _normalise_masked([p * b for p, b in zip(preds, betas)], lengths_B)
-    return w_BTK @ emission_KV
+    return exact_dot(w_BTK, emission_KV)
 
 
 @jax.jit

@@ -24,7 +24,8 @@ for prec in ("default", "highest"):
         for how in ("pageable", "pinned"):
             os.environ["FLATLM_HOST_TRANSFER"] = how
             q = hmm.conditionals(h.tokens, h.lengths)
-            print(json.dumps(dict(precision=prec, transfer=how, max_rowsum_err=float(np.abs(q.sum(-1)[valid] - 1).max()),
+            print(json.dumps(dict(precision=prec, transfer=how,
+                                  max_rowsum_err=float(np.abs(q.sum(-1)[valid] - 1).max()),
                                   max_abs_err=float(np.abs(q - ref).max()),
                                   max_rel_err=float((np.abs(q - ref) / np.maximum(ref, 1e-30))[ref > 1e-6].max()))),
                   flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flatlm.languages.base import exact_dot
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
@@ -61,8 +62,7 @@ def _add(x, start: tuple[int, ...], y):
     return jax.lax.dynamic_update_slice(x, _read(x, start, y.shape) + y, start)
 
 
-def _dot(a, b):
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+_dot = exact_dot  # full float32 precision (TF32 on XLA:GPU by default)
 
 
 _NEG = -1e30  # log scale of widths no nonterminal can span: their split weight exp(_NEG - top) is 0

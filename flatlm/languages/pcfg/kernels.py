@@ -21,7 +21,9 @@ LAYOUTS = {"symbol_minor": Chart, "batch_minor": SmallBlockChart}
 
 def default_layout(plan: Plan) -> str:
     """Batch minor for a plan of small blocks on the CPU backend (where it was measured faster: RESULTS.md,
-    2026-11-29 afternoon), else symbol minor: dense grammars, and accelerators until it is measured on one."""
+    2026-11-29 afternoon), else symbol minor: dense grammars, and accelerators. On an H200 (2026-11-29) batch minor
+    ran the released grammar 1.19-1.29x faster but compiled in 46 s instead of 28-34 s, more than it saves on the
+    paper's 10^6 validation sentences (~1 s at 177k-212k sentences/s)."""
     return "batch_minor" if not has_wide_blocks(plan) and jax.default_backend() == "cpu" else "symbol_minor"
 
 
@@ -80,7 +82,7 @@ def _kernel_lengths(plan: Plan, consts, leaf_BTN, layout: str | None = None):
     """Scaled root value, its log scale and the leaf log scales [B, T] of every prefix of the given leaves."""
     chart = new_chart(plan, consts, jnp.swapaxes(leaf_BTN, 0, 1), layout)
     prefix_BTN, log_BT = chart.prefixes()
-    return prefix_BTN @ consts["root"], log_BT, chart.leaf_log_TB.T
+    return _dot(prefix_BTN, consts["root"]), log_BT, chart.leaf_log_TB.T
 
 
 KERNELS = {  # kind -> kernel(plan, consts, ...); bound to a plan and jitted by `flatlm.languages.pcfg.engine`
