@@ -4,6 +4,8 @@ several); a bad value is one line."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -15,13 +17,22 @@ from flatlm.languages.hmm import random_hmm
 from flatlm.languages.pcfg import random_grammar
 
 
-def test_the_default_is_pageable_on_the_cpu_and_pinned_on_accelerators(monkeypatch):
+class _Device:  # what `host_transfer` reads of a device: its platform and its memories' kinds
+    def __init__(self, platform, kinds=("device", "pinned_host", "unpinned_host")):
+        self.platform, self.kinds = platform, kinds
+
+    def addressable_memories(self):
+        return [types.SimpleNamespace(kind=k) for k in self.kinds]
+
+
+def test_the_default_is_pinned_on_accelerators_with_pinned_memory_else_pageable(monkeypatch):
     monkeypatch.delenv(HOST_TRANSFER_ENV, raising=False)
-    assert [host_transfer(p) for p in ("cpu", "gpu", "tpu")] == ["pageable", "pinned", "pinned"]
-    assert host_transfer() == "pageable"  # these tests' backend
-    for how in ("pageable", "pinned"):  # the variable wins on every platform
+    devices = [_Device("cpu"), _Device("gpu"), _Device("tpu"), _Device("metal", ("device",))]
+    assert [host_transfer(d) for d in devices] == ["pageable", "pinned", "pinned", "pageable"]
+    assert host_transfer() == host_transfer(jax.devices()[0]) == "pageable"  # these tests' CPU backend
+    for how in ("pageable", "pinned"):  # the variable wins everywhere
         monkeypatch.setenv(HOST_TRANSFER_ENV, how)
-        assert [host_transfer(p) for p in ("cpu", "gpu")] == [how, how]
+        assert [host_transfer(d) for d in devices[:2]] == [how, how]
 
 
 def test_start_host_copy_puts_the_values_where_asked(monkeypatch):

@@ -95,12 +95,13 @@ HOST_TRANSFER_ENV = "FLATLM_HOST_TRANSFER"
 HOST_TRANSFERS = ("pageable", "pinned")
 
 
-def host_transfer(platform: str | None = None) -> str:
-    """How inference kernels' outputs on `platform` (None: JAX's default backend) reach numpy: $FLATLM_HOST_TRANSFER
-    (read at each call, so one process can compare both), else "pageable" on the CPU and "pinned" on an
-    accelerator; see `start_host_copy`."""
-    default = "pageable" if (platform or jax.default_backend()) == "cpu" else "pinned"
-    how = os.environ.get(HOST_TRANSFER_ENV) or default
+def host_transfer(device=None) -> str:
+    """How inference kernels' outputs on `device` (None: JAX's first) reach numpy: $FLATLM_HOST_TRANSFER (read at
+    each call, so one process can compare both), else "pinned" on an accelerator with pinned host memory (GPUs,
+    TPUs) and "pageable" on the CPU and on a backend without it; see `start_host_copy`."""
+    device = device or jax.devices()[0]
+    pinned = device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
+    how = os.environ.get(HOST_TRANSFER_ENV) or ("pinned" if pinned else "pageable")
     if how not in HOST_TRANSFERS:
         raise UserError(f"{HOST_TRANSFER_ENV}={how!r} is not one of {', '.join(HOST_TRANSFERS)}; unset it or pick one")
     return how
@@ -117,7 +118,7 @@ def start_host_copy(x: jax.Array) -> jax.Array:
     them reached numpy at 1.34 GB/s pageable and 50.3 GB/s pinned (torch's pinned copy: 55.3); end to end the HMM
     ran at 126k vs 3.31M sentences/s in one call, the released PCFG at 90k vs 188k. On the CPU "pinned" costs one
     more copy (`FLATLM_HOST_TRANSFER=pinned` runs it there so that the tests check it)."""
-    if host_transfer(next(iter(x.devices())).platform) == "pinned":
+    if host_transfer(next(iter(x.devices()))) == "pinned":
         return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
     x.copy_to_host_async()
     return x
