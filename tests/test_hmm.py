@@ -122,6 +122,29 @@ def test_float32_default_agrees_with_float64_and_chunking():
     np.testing.assert_allclose(cond64.sum(-1), 1.0, atol=1e-12)
 
 
+def test_default_chunk_is_the_cpus_or_the_largest_power_of_two_in_the_accelerator_budget(monkeypatch):
+    import flatlm.languages.hmm as hmm_lib
+
+    hmm = random_hmm(0, length=6)
+    corpus = hmm.sample(100, seed=1)
+    expected = hmm.conditionals(corpus.tokens, corpus.lengths, chunk_size=1024)
+    batches = []
+    counting = lambda *args: batches.append(args[3].shape[0]) or _conditionals_fn(*args)  # noqa: E731
+    monkeypatch.setattr(hmm_lib, "_conditionals_fn", counting)
+    np.testing.assert_array_equal(hmm.conditionals(corpus.tokens, corpus.lengths), expected)
+    assert batches == [128]  # the CPU: one chunk of 1024, bucketed
+    per_sentence = 4 * 6 * (2 * hmm.num_states + hmm.vocab_size)
+    monkeypatch.setattr(hmm_lib.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(hmm_lib, "_ACCEL_BYTES", 40 * per_sentence)  # room for 40 sentences: chunks of 32
+    batches.clear()  # another batch size rounds the dots differently on XLA:CPU: equal to float32 rounding
+    np.testing.assert_allclose(hmm.conditionals(corpus.tokens, corpus.lengths), expected, rtol=1e-5, atol=1e-8)
+    assert batches == [32, 32, 32, 4]  # the last 4 sentences in a bucket of their own
+    monkeypatch.setattr(hmm_lib, "_ACCEL_BYTES", 1)  # smaller than one sentence: one at a time
+    batches.clear()
+    hmm.conditionals(corpus.tokens[:3], corpus.lengths[:3])
+    assert batches == [1, 1, 1]
+
+
 def test_repeated_calls_do_not_recompile():
     hmm, other = random_hmm(0, length=6), random_hmm(1, length=6)
     corpus = hmm.sample(100, seed=0)

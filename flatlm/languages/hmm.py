@@ -22,12 +22,11 @@ from flatlm.languages.base import Corpus, exact_dot, host_outputs, special_ids
 from flatlm.languages.row_sampler import RowSampler
 
 _ATOL = 1e-6  # tolerance on row sums of the stochastic matrices
-# Sentences per device call (`chunk_size=None`). Bounds temporary memory at about chunk * T * (2K + V) floats.
-# CPU: small enough that the allocator recycles each call's buffers (with 4096, page faults on the fresh 50 MB
-# output took ~30% of the CPU time). Accelerators: a call of up to 2^18 paper-HMM sentences (3.4 GB of q) in one
-# chunk reaches numpy in place; in chunks of 2^16 its copy into one fresh output array cut 3.31M to 268k sent/s
-# (H200, pinned; RESULTS.md 2026-11-29).
-_CHUNK, _ACCEL_CHUNK = 1024, 1 << 18
+# Default sentences per device call; temporaries take about chunk * T * (2K + V) floats. CPU: 1024, so that the
+# allocator recycles each call's buffers (at 4096 page faults on the fresh output took ~30% of the CPU time).
+# Accelerators: the largest power of two within _ACCEL_BYTES (paper HMM: 2^18), as one call's pinned output is read
+# in place; in chunks of 2^16 the copy into one fresh array cut 3.31M to 268k sent/s (H200, RESULTS.md 2026-11-29).
+_CHUNK, _ACCEL_BYTES = 1024, 8 << 30
 _SAMPLE_CHUNK = 1 << 16  # sentences per numpy sampling step
 
 
@@ -221,14 +220,16 @@ class HMM:
         return cache[dtype]
 
     def _run(self, fn, tokens, lengths, chunk_size: int | None) -> np.ndarray:
-        """Applies a jitted kernel in chunks of at most chunk_size sentences (None: `_CHUNK` on the CPU,
-        `_ACCEL_CHUNK` on an accelerator), padding each call to a bucket size (a power of two up to chunk_size)
-        so that only a few shapes are ever compiled. Chunk i+1 is dispatched before chunk i is copied to the host,
-        so device work overlaps the transfer."""
-        chunk_size = (_CHUNK if jax.default_backend() == "cpu" else _ACCEL_CHUNK) if chunk_size is None else chunk_size
+        """Applies a jitted kernel in chunks of at most chunk_size sentences (None: see `_CHUNK`), padding each
+        call to a bucket size (a power of two up to chunk_size) so that only a few shapes are ever compiled.
+        Chunk i+1 is dispatched before chunk i is copied to the host, so device work overlaps the transfer."""
+        tokens_NT, lengths_N = self._check_batch(tokens, lengths)
+        if chunk_size is None:
+            per_sentence = 4 * tokens_NT.shape[1] * (2 * self.num_states + self.vocab_size)  # float32 bytes
+            accel = 1 << (max(_ACCEL_BYTES // per_sentence, 1).bit_length() - 1)
+            chunk_size = _CHUNK if jax.default_backend() == "cpu" else accel
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        tokens_NT, lengths_N = self._check_batch(tokens, lengths)
         n = tokens_NT.shape[0]
         params = self._params()
         starts = range(0, max(n, 1), chunk_size)
