@@ -15,13 +15,14 @@ Rows, all measured in one run on the first JAX device:
 - when torch + transformers import and CUDA is there: Hugging Face BertForMaskedLM at the same shape at its
   best (bf16 autocast, SDPA, fused tanh GELU, fused AdamW; eager and torch.compile, the faster kept), in a
   child process with the GPU's memory to itself;
-- exact conditionals: the released-shape PCFG (`random_grammar(0)`), a dense N=50 PCFG at T=32, and the
-  paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays out); the PCFG rows at
-  each of `--pcfg-chunks` / `--dense-chunks` (inference chunk sizes; one that runs out of memory is an error row):
-  the sweep a GPU default chunk size would be chosen from (the library's defaults, 64 and 16, are the CPU's);
-  the released-shape PCFG and the HMM with each of `--transfers` ($FLATLM_HOST_TRANSFER: outputs to the host
-  through pageable or pinned memory, `flatlm.languages.base.start_host_copy`), the HMM also in one call of all
-  its sentences, and the raw device-to-host bandwidth of its 839 MB chunk of conditionals either way.
+- exact conditionals (`_gpu_conditionals.py`): the released-shape PCFG (`random_grammar(0)`), a dense N=50
+  PCFG at T=32, and the paper's HMM (K=100, V=200, T=16), each end to end through the public API (host arrays
+  out); the PCFG rows at each of `--pcfg-chunks` / `--dense-chunks` (inference chunk sizes; one that runs out of
+  memory is an error row), the released-shape one in each of `--layouts`; the released-shape PCFG and the HMM
+  with each of `--transfers` ($FLATLM_HOST_TRANSFER: outputs to the host through pageable or pinned memory,
+  `flatlm.languages.base.start_host_copy`), the HMM at the library's default chunk, at 1024, 65536 and in one
+  call of all its sentences, and in the dataset builder's calls of 1024; the raw device-to-host bandwidth of its
+  839 MB chunk of conditionals either way, and its kernel alone on device-resident data.
 
 Step times are medians of `--rounds` rounds of `--steps` back-to-back steps (dispatch pipelined, one sync per
 round). `--out` is rewritten after every section, so a run cut off by a time limit keeps what it measured. Never
@@ -45,14 +46,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _gpu_conditionals import hmm_rows, median_time, pcfg_dense_row, pcfg_released_row
 
 from flatlm import compile_options, paths
 from flatlm.config import base_config
 from flatlm.data.masking import mask_batch
-from flatlm.languages import hmm as hmm_lib
-from flatlm.languages.base import HOST_TRANSFER_ENV, HOST_TRANSFERS, start_host_copy
-from flatlm.languages.hmm import random_hmm
-from flatlm.languages.pcfg import dense_grammar, random_grammar
+from flatlm.languages.base import HOST_TRANSFERS
 from flatlm.models import Bert, model_config
 from flatlm.train import optim
 from flatlm.train.step import train_step
@@ -60,19 +59,6 @@ from flatlm.train.step import train_step
 NUM_WORDS, SEQ_LEN = 200, 32
 HEAD_POSITIONS = 5  # predicted positions per sentence at most (`mask_batch`'s bert default): head FLOPs count there
 VENDOR_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (datasheets)
-
-
-def median_time(fn, rounds: int, per_round: int) -> float:
-    """Median over `rounds` of the wall seconds per call of `per_round` back-to-back calls (fn syncs itself
-    only when told: fn(sync) must block iff sync)."""
-    fn(True)
-    out = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for i in range(per_round):
-            fn(i == per_round - 1)
-        out.append((time.perf_counter() - t) / per_round)
-    return float(np.median(out))
 
 
 def matmul_tflops(n: int, dtype) -> float:
@@ -196,118 +182,6 @@ def hf_in_child(batch_size: int, rounds: int, steps: int, modes: list[str]) -> d
             return json.load(f)
 
 
-def throughput(call, n: int, rounds: int = 5) -> dict:
-    """Sentences/s of a blocking call on n sentences (median of `rounds` after a compiling first call)."""
-    t = time.perf_counter()
-    call()
-    first = time.perf_counter() - t
-    sec = median_time(lambda sync: call(), rounds, 1)
-    return dict(sentences=n, seconds=sec, sentences_per_s=n / sec, compile_s=max(first - sec, 0.0))
-
-
-def shown(name: str, row: dict) -> dict:
-    """{name: row}, printed at once (a run cut off by its time limit still shows the rows it measured)."""
-    print(f"  {name}: {row['sentences_per_s']:,.0f} sent/s, compile {row['compile_s']:.1f} s", flush=True)
-    return {name: row}
-
-
-def per_chunk(make_row, chunks: list[int]) -> dict:
-    """{row: result} of make_row(chunk) for each chunk size; a chunk that fails (out of memory) is an error row
-    and the others still run (the sweep that a backend-aware default chunk would be read from)."""
-    rows = {}
-    for chunk in chunks:
-        try:
-            rows.update(make_row(chunk))
-        except Exception as e:  # noqa: BLE001 - recorded, the next chunk size still runs
-            rows[f"chunk {chunk}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    return rows
-
-
-def with_transfer(how: str, call):
-    """call() with $FLATLM_HOST_TRANSFER = how (read by the library at each call), restored after."""
-    before = os.environ.get(HOST_TRANSFER_ENV)
-    os.environ[HOST_TRANSFER_ENV] = how
-    try:
-        return call()
-    finally:
-        if before is None:
-            del os.environ[HOST_TRANSFER_ENV]
-        else:
-            os.environ[HOST_TRANSFER_ENV] = before
-
-
-def pcfg_released_row(small: bool, chunks: list[int] | None = None, transfers=("pageable",),
-                      layouts=None) -> dict:
-    """{row: result} for the released-shape PCFG (`random_grammar(0)`), end to end (host arrays out), at each
-    inference chunk size (default 4096), host transfer and chart layout (default both; the batch-minor one is the
-    CPU's default, the symbol-minor one an accelerator's: `kernels.default_layout`)."""
-    n_pcfg = 256 if small else 16384
-    layouts = layouts or (("batch_minor",) if small else ("symbol_minor", "batch_minor"))
-
-    def one(chunk, layout):
-        g = random_grammar(0, batch_size=chunk)
-        g._engine.layout = layout
-        c = g.sample(n_pcfg, seed=1)
-        out = {}
-        for how in transfers:
-            out.update(shown(f"pcfg released-shape, chunk {chunk}, {layout}, {how}", with_transfer(
-                how, lambda: throughput(lambda: g.conditionals(c.tokens, c.lengths), n_pcfg))))
-        return out
-
-    def row(chunk):
-        out = {}
-        for layout in layouts:
-            out.update(one(chunk, layout))
-        return out
-
-    return per_chunk(row, chunks or [256 if small else 4096])
-
-
-def pcfg_dense_row(small: bool, chunks: list[int] | None = None) -> dict:
-    """{row: result} for a dense N=50 PCFG at T=32, end to end (host arrays out), at each chunk size (default
-    512)."""
-    n_dense = 64 if small else 2048
-    vocab = dense_grammar(0, max_length=32).vocab_size
-    toks = np.random.default_rng(0).integers(0, vocab, (n_dense, 32)).astype(np.int32)  # the same for every chunk
-
-    def row(chunk):
-        d = dense_grammar(0, max_length=32, batch_size=min(n_dense, chunk))
-        return {f"pcfg dense N=50 T=32, chunk {d.batch_size}": throughput(
-            lambda: d.conditionals(toks, np.full(n_dense, 32)), n_dense)}
-
-    return per_chunk(row, chunks or [512])
-
-
-def hmm_rows(small: bool, transfers=("pageable",)) -> dict:
-    """The paper's HMM end to end (host arrays out) at the default chunk, a larger one and in one call, with each
-    host transfer; the raw device-to-host bandwidth of one chunk's conditionals; the kernel on device alone."""
-    rows = {}
-    hmm = random_hmm(seed=0)
-    n_hmm, hchunk = (1024, 256) if small else (262144, 65536)
-    h = hmm.sample(n_hmm, seed=1)
-    calls = lambda: [hmm.conditionals(h.tokens[a:a + 1024], h.lengths[a:a + 1024])  # noqa: E731
-                     for a in range(0, n_hmm, 1024)]
-    for how in transfers:
-        for chunk in [None, *sorted({hmm_lib._CHUNK, hchunk, n_hmm})]:  # the default, the CPU's, GPU-sized, all
-            rows.update(shown(f"hmm K=100 V=200 T=16, chunk {chunk or 'default'}, {how}", with_transfer(
-                how, lambda c=chunk: throughput(lambda: hmm.conditionals(h.tokens, h.lengths, chunk_size=c), n_hmm))))
-        # the dataset builder's pattern: one call per `builder.CHUNK` (1024) sentences, each its own host array
-        rows.update(shown(f"hmm K=100 V=200 T=16, calls of 1024 sentences, {how}",
-                          with_transfer(how, lambda: throughput(calls, n_hmm))))
-    # The kernel alone on device-resident inputs, output left on the device: what an on-device consumer (the
-    # exact-loss evaluator's KL) sees, without the [n, T, V] float32 copy to the host (12.8 kB a sentence).
-    params = hmm._params()
-    tok, lens = jax.device_put(h.tokens[:hchunk]), jax.device_put(h.lengths[:hchunk])
-    q = hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready()
-    for how in transfers:  # bytes of one chunk of q to numpy: GB/s = sentences/s * 12.8 kB
-        r = with_transfer(how, lambda: throughput(lambda: np.asarray(start_host_copy(q + 0)), hchunk))
-        gb_per_s = r["sentences_per_s"] * q.nbytes / q.shape[0] / 1e9
-        rows[f"hmm chunk {hchunk} of q to numpy alone, {how}"] = {**r, "gb_per_s": gb_per_s}
-    rows[f"hmm kernel on device, batch {hchunk}"] = throughput(
-        lambda: hmm_lib._conditionals_fn(*params, tok, lens).block_until_ready(), hchunk)
-    return rows
-
-
 def guarded(name: str, fn, out: dict, save=None):
     """Run one section into out[name]; a failure is recorded (and printed), not fatal to the others. `save()`
     runs after it (a run cut off by its time limit keeps what it measured)."""
@@ -422,7 +296,7 @@ def main(argv=None) -> int:
     for k, v in (res.get("conditionals") or {}).items():
         if isinstance(v, dict) and "sentences_per_s" in v:
             rate = f"  {v['gb_per_s']:.2f} GB/s" if "gb_per_s" in v else f"  (compile {v['compile_s']:.1f} s)"
-            print(f"{k:50s} {v['sentences_per_s']:14,.0f} sent/s" + rate)
+            print(f"{k:60s} {v['sentences_per_s']:14,.0f} sent/s" + rate)
     errors = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     if errors:
         print("FAILED sections:", ", ".join(errors))
