@@ -98,7 +98,7 @@ HOST_TRANSFERS = ("pageable", "pinned")
 def host_transfer(device=None) -> str:
     """How inference kernels' outputs on `device` (None: JAX's first) reach numpy: $FLATLM_HOST_TRANSFER (read at
     each call, so one process can compare both), else "pinned" on an accelerator with pinned host memory (GPUs,
-    TPUs) and "pageable" on the CPU and on a backend without it; see `start_host_copy`."""
+    TPUs; measured on an H200 only) and "pageable" on the CPU and on a backend without it; see `start_host_copy`."""
     device = device or jax.devices()[0]
     pinned = device.platform != "cpu" and any(m.kind == "pinned_host" for m in device.addressable_memories())
     how = os.environ.get(HOST_TRANSFER_ENV) or ("pinned" if pinned else "pageable")
