@@ -1,8 +1,8 @@
 """Exact inference multiplies at full float32 precision: every dot in the HMM's and the PCFG's kernels (their
-gradients' too) asks for Precision.HIGHEST. XLA:CPU computes float32 dots in full either way, so the CPU cannot
-show the error; XLA:GPU runs a default-precision float32 dot on TF32, and on an H200 (2026-11-29) the HMM's
-conditionals then summed to 1 +- 3.2e-4 (3.1e-6 at HIGHEST; benchmarks/RESULTS.md). A dot written without it
-fails here."""
+gradients' too) and in the OPT teacher (sampler and conditionals) asks for Precision.HIGHEST. XLA:CPU computes
+float32 dots in full either way, so the CPU cannot show the error; XLA:GPU runs a default-precision float32 dot on
+TF32, and on an H200 (2026-11-29) the HMM's conditionals then summed to 1 +- 3.2e-4 (3.1e-6 at HIGHEST;
+benchmarks/RESULTS.md). A dot written without it fails here."""
 
 from __future__ import annotations
 
@@ -68,3 +68,21 @@ def test_pcfg_kernels_multiply_at_highest(layout, dense):
     leaf = np.broadcast_to(np.asarray(plan.consts["leaf_total"]), (1, 6, plan.N))
     fn = functools.partial(KERNELS["lengths"], plan, layout=layout)
     assert _all_highest(jax.make_jaxpr(fn)(plan.consts, leaf)) >= 1
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_the_opt_teacher_multiplies_at_highest(projection):
+    """The OPT language's sampler (cached decode, one cache row per sentence) and its conditionals' decode (one
+    prefix shared by the batch), with and without the 350M layout's projections."""
+    import jax.numpy as jnp
+
+    from flatlm.languages.opt import OPT, OPTConfig, init_cache, random_params
+    from flatlm.languages.opt.language import _ancestral
+
+    cfg = OPTConfig.named("tiny", **(dict(word_embed_proj_dim=16, do_layer_norm_before=False) if projection else {}))
+    model, params, head = OPT(cfg), random_params(cfg, seed=0, std=0.15), jnp.asarray([5, 9, 17], jnp.int32)
+    sampler = jax.make_jaxpr(lambda p, k: _ancestral(model, p, k, 2, 3, head))(params, jax.random.key(0))
+    assert _all_highest(sampler) >= 6
+    shared = init_cache(cfg, 1, 4)._replace(length=jnp.int32(2))  # C = 1: one prefix for the 3 rows
+    decode = lambda p, t: model.apply({"params": p}, t, cache=shared, head_ids=head, method=OPT.decode)  # noqa: E731
+    assert _all_highest(jax.make_jaxpr(decode)(params, jnp.zeros((3, 2), jnp.int32))) >= 6

@@ -85,10 +85,16 @@ def sample_blocks(language: Language, ns, seeds, latents: bool = True) -> Corpus
 
 
 def exact_dot(a, b):
-    """a @ b at full float32 precision, for exact inference (HMM, PCFG). XLA:GPU runs float32 dots on TF32 by
-    default: on an H200 (2026-11-29) the HMM's conditionals then summed to 1 +- 3.2e-4 and were off by up to
-    9e-4 relative (7e-6 at full precision, 3.0M vs 3.25M sentences/s end to end). The CPU's bits do not change."""
+    """a @ b at full float32 precision, for exact inference (HMM, PCFG, the OPT teacher). XLA:GPU runs float32
+    dots on TF32 by default: on an H200 (2026-11-29) the HMM's conditionals then summed to 1 +- 3.2e-4 and were off
+    by up to 9e-4 relative (7e-6 at full precision, 3.0M vs 3.25M sentences/s end to end). The CPU's bits do not
+    change."""
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def exact_einsum(spec: str, *operands):
+    """`jnp.einsum` at full float32 precision (see `exact_dot`)."""
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
 
 
 HOST_TRANSFER_ENV = "FLATLM_HOST_TRANSFER"

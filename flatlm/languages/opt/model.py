@@ -2,7 +2,8 @@
 
 Inference only (no dropout): flatlm uses OPT as a fixed generative language, never trains it (the paper's OPT
 data: OPT-125M samples 24-token sentences over its top-2000 tokens, Sections 3.2 and A.1). Hugging Face
-checkpoints load through `hf.py`.
+checkpoints load through `hf.py`. Every product runs at full float32 precision (`languages.base.exact_dot`): the
+sampler and the exact conditionals, not TF32 as XLA:GPU's default would (the CPU's bits do not change).
 The function is Hugging Face's `OPTForCausalLM`: learned positions with OPT's offset of 2 (position p reads row
 p + 2), pre-LN layers when `do_layer_norm_before` (125M) else post-LN (350M), ReLU FFN, a final LayerNorm in pre-LN
 models, optional `project_in/out` when `word_embed_proj_dim != hidden_size` (350M), and a head tied to the token
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flatlm.errors import UserError
+from flatlm.languages.base import exact_dot, exact_einsum
 
 POSITION_OFFSET = 2  # OPT's learned positions are stored from row 2 (a fairseq padding_idx artefact)
 
@@ -203,35 +205,35 @@ class Attention(nn.Module):
         H, Dh, D = c.num_heads, c.head_dim, c.hidden_size
         qkv = self.param("qkv", _init(("embed", None, "heads", "kv")), (D, 3, H, Dh), pdt)
         out = self.param("out", _init(("heads", "kv", "embed")), (H, Dh, D), pdt)
-        qkv_BSKHd = jnp.einsum("bsd,dkhe->bskhe", x_BSD.astype(dt), qkv.astype(dt))
+        qkv_BSKHd = exact_einsum("bsd,dkhe->bskhe", x_BSD.astype(dt), qkv.astype(dt))
         if c.enable_bias:
             qkv_BSKHd = qkv_BSKHd + self.param("qkv_bias", _zeros((None, "heads", "kv")), (3, H, Dh), pdt).astype(dt)
         # HF scales the projected queries (bias included) rather than the scores; same order here.
         q_BSHd = qkv_BSKHd[:, :, 0] * (Dh**-0.5)
         k_BSHd, v_BSHd = qkv_BSKHd[:, :, 1], qkv_BSKHd[:, :, 2]
         neg = jnp.finfo(jnp.float32).min
-        s_BHSS = jnp.einsum("bshe,bthe->bhst", q_BSHd, k_BSHd).astype(jnp.float32)
+        s_BHSS = exact_einsum("bshe,bthe->bhst", q_BSHd, k_BSHd).astype(jnp.float32)
         s_BHSS = jnp.where(self_mask_SS, s_BHSS, neg)
         if cache_k_CMHd is None:
             p_BHSS = jax.nn.softmax(s_BHSS, axis=-1).astype(dt)
-            o_BSHd = jnp.einsum("bhst,bthe->bshe", p_BHSS, v_BSHd)
+            o_BSHd = exact_einsum("bhst,bthe->bshe", p_BHSS, v_BSHd)
         else:
             M = cache_k_CMHd.shape[1]
             shared = cache_k_CMHd.shape[0] == 1 and x_BSD.shape[0] != 1
             ck, cv = cache_k_CMHd.astype(dt), cache_v_CMHd.astype(dt)
             if shared:  # one prefix for the whole batch: no copy of the cache per row
-                s_BHSM = jnp.einsum("bshe,mhe->bhsm", q_BSHd, ck[0])
+                s_BHSM = exact_einsum("bshe,mhe->bhsm", q_BSHd, ck[0])
             else:
-                s_BHSM = jnp.einsum("bshe,bmhe->bhsm", q_BSHd, ck)
+                s_BHSM = exact_einsum("bshe,bmhe->bhsm", q_BSHd, ck)
             s_BHSM = jnp.where(cache_mask_SM, s_BHSM.astype(jnp.float32), neg)
             p_BHSX = jax.nn.softmax(jnp.concatenate([s_BHSM, s_BHSS], axis=-1), axis=-1).astype(dt)
             p_BHSM, p_BHSS = p_BHSX[..., :M], p_BHSX[..., M:]
             if shared:
-                o_BSHd = jnp.einsum("bhsm,mhe->bshe", p_BHSM, cv[0])
+                o_BSHd = exact_einsum("bhsm,mhe->bshe", p_BHSM, cv[0])
             else:
-                o_BSHd = jnp.einsum("bhsm,bmhe->bshe", p_BHSM, cv)
-            o_BSHd = o_BSHd + jnp.einsum("bhst,bthe->bshe", p_BHSS, v_BSHd)
-        y_BSD = jnp.einsum("bshe,hed->bsd", o_BSHd, out.astype(dt))
+                o_BSHd = exact_einsum("bhsm,bmhe->bshe", p_BHSM, cv)
+            o_BSHd = o_BSHd + exact_einsum("bhst,bthe->bshe", p_BHSS, v_BSHd)
+        y_BSD = exact_einsum("bshe,hed->bsd", o_BSHd, out.astype(dt))
         if c.enable_bias:
             y_BSD = y_BSD + self.param("out_bias", _zeros(("embed",)), (D,), pdt).astype(dt)
         y_BSD = nn.with_logical_constraint(y_BSD, ("batch", "length", "embed"))
@@ -249,11 +251,11 @@ class Mlp(nn.Module):
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         wi = self.param("wi", _init(("embed", "mlp")), (c.hidden_size, c.ffn_dim), pdt)
         wo = self.param("wo", _init(("mlp", "embed")), (c.ffn_dim, c.hidden_size), pdt)
-        h_BSF = x_BSD.astype(dt) @ wi.astype(dt)
+        h_BSF = exact_dot(x_BSD.astype(dt), wi.astype(dt))
         if c.enable_bias:
             h_BSF = h_BSF + self.param("bi", _zeros(("mlp",)), (c.ffn_dim,), pdt).astype(dt)
         h_BSF = nn.with_logical_constraint(_activation(c.activation)(h_BSF), ("batch", "length", "mlp"))
-        y_BSD = h_BSF @ wo.astype(dt)
+        y_BSD = exact_dot(h_BSF, wo.astype(dt))
         if c.enable_bias:
             y_BSD = y_BSD + self.param("bo", _zeros(("embed",)), (c.hidden_size,), pdt).astype(dt)
         return nn.with_logical_constraint(y_BSD, ("batch", "length", "embed"))
@@ -338,7 +340,7 @@ class OPT(nn.Module):
             cache_mask_SM = jnp.arange(cache.k.shape[2])[None, :] < visible_S[:, None]
         x_BSD = jnp.take(self.embed_tokens, tokens_BS, axis=0).astype(dt)
         if c.has_projection:
-            x_BSD = x_BSD @ self.project_in.astype(dt)
+            x_BSD = exact_dot(x_BSD, self.project_in.astype(dt))
         x_BSD = x_BSD + jnp.take(self.embed_positions, positions_BS + POSITION_OFFSET, axis=0).astype(dt)
         x_BSD = nn.with_logical_constraint(x_BSD, ("batch", "length", "embed"))
         ks, vs = [], []
@@ -358,9 +360,9 @@ class OPT(nn.Module):
         if c.has_final_ln:
             x_BSD = self.final_ln(x_BSD)
         if c.has_projection:
-            x_BSD = x_BSD @ self.project_out.astype(dt)
+            x_BSD = exact_dot(x_BSD, self.project_out.astype(dt))
         emb_VD = self.embed_tokens if head_ids is None else jnp.take(self.embed_tokens, head_ids, axis=0)
-        return jnp.einsum("bsd,vd->bsv", x_BSD, emb_VD.astype(dt))
+        return exact_einsum("bsd,vd->bsv", x_BSD, emb_VD.astype(dt))
 
     def __call__(self, tokens_BS):
         """Full causal forward from position 0: logits[B, S, Vopt]."""
