@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.base import exact_dot
+from flatlm.languages.base import exact_dot, exact_einsum
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
@@ -62,9 +62,6 @@ def _add(x, start: tuple[int, ...], y):
     return jax.lax.dynamic_update_slice(x, _read(x, start, y.shape) + y, start)
 
 
-_dot = exact_dot  # full float32 precision (TF32 on XLA:GPU by default)
-
-
 _NEG = -1e30  # log scale of widths no nonterminal can span: their split weight exp(_NEG - top) is 0
 _MAX_UP = 60.0  # cap on a split weight's log above the reference: exp stays finite in float32 (< e^88)
 
@@ -79,7 +76,7 @@ class ChartBase:
         one-hot sel [B, T] of length - 1."""
         prefix_BTN, log_BT = self.prefixes()
         sel_BT = jax.nn.one_hot(lengths_B - 1, self.T, dtype=prefix_BTN.dtype)
-        z_BT = _dot(prefix_BTN, self.consts["root"])
+        z_BT = exact_dot(prefix_BTN, self.consts["root"])
         return (z_BT * sel_BT).sum(-1), (log_BT * sel_BT).sum(-1), sel_BT
 
     def _width(self, w: int) -> None:
@@ -157,14 +154,13 @@ class Chart(ChartBase):
                 # left as [I, B, L, D], materialised (else XLA folds the transpose back into the dot): a row-major
                 # [L, D] x [D, R] per row runs 1.7x faster than [D, L]^T x [D, R] ([256, 16, 50] operands).
                 left_IBLD = jax.lax.optimization_barrier(jnp.swapaxes(left[:, :, a:b, k.l0:k.l1], 2, 3))
-                outer_IBLR = jnp.einsum("ibld,ibdr->iblr", left_IBLD, right[:, :, a:b, k.r0:k.r1],
-                                        precision=jax.lax.Precision.HIGHEST)
+                outer_IBLR = exact_einsum("ibld,ibdr->iblr", left_IBLD, right[:, :, a:b, k.r0:k.r1])
             else:  # small blocks: one fused elementwise loop
                 a, b = k.d0 - spec.d0, k.d1 - spec.d0 + 1
                 outer_IBLR = _sum_slices(left[:, :, a:b, k.l0:k.l1, None] * right[:, :, a:b, None, k.r0:k.r1], 2)
             pairs.append(outer_IBLR.reshape(I * B, -1))
         pairs_MP = pairs[0] if len(pairs) == 1 else jnp.concatenate(pairs, -1)
-        new_IBN = _dot(pairs_MP, self.consts["G_in"][w])[:, :N].reshape(I, B, N)
+        new_IBN = exact_dot(pairs_MP, self.consts["G_in"][w])[:, :N].reshape(I, B, N)
         beta_IBN, s_IB, mass_IB = _normalise(new_IBN)
         self.scale[w] = s_IB
         new_IB1E = jnp.concatenate([beta_IBN, (top_IB + jnp.log(s_IB))[..., None], mass_IB[..., None]],
@@ -200,7 +196,7 @@ class Chart(ChartBase):
             spec = self.plan.widths.get(w)
             if spec is None:
                 continue
-            h_IBP = _dot(adj_IBN / self.scale[w][..., None], self.consts["G"][w].T)
+            h_IBP = exact_dot(adj_IBN / self.scale[w][..., None], self.consts["G"][w].T)
             left, right, f_IBD, _ = self.children(w, spec)
             p = 0
             for k in spec.blocks:
@@ -211,11 +207,11 @@ class Chart(ChartBase):
                 if R <= _TREE_TERMS:  # d z / d left[l] = sum_r h[l, r] right[r]
                     gl = _sum_slices(jnp.swapaxes(h_IBLR, 2, 3)[:, :, None] * rk[..., None], 3)  # [I, B, D, R, L]
                 else:
-                    gl = jnp.einsum("ibdr,iblr->ibdl", rk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
+                    gl = exact_einsum("ibdr,iblr->ibdl", rk, h_IBLR)
                 if L <= _TREE_TERMS:  # d z / d right[r] = sum_l h[l, r] left[l]
                     gr = _sum_slices(h_IBLR[:, :, None] * lk[..., None], 3)  # [I, B, D, L, R] summed over L
                 else:
-                    gr = jnp.einsum("ibdl,iblr->ibdr", lk, h_IBLR, precision=jax.lax.Precision.HIGHEST)
+                    gr = exact_einsum("ibdl,iblr->ibdr", lk, h_IBLR)
                 adj_start = _add(adj_start, (0, 0, spec.d0 - 1 + a, k.l0), gl * f_IBD[:, :, a:b, None])
                 adj_end = _add(adj_end, (w - 1, 0, w - spec.d0 - b, k.r0), jax.lax.rev(gr, (2,)))
         raise AssertionError("unreachable")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _dot, _read, _sum_slices
+from flatlm.languages.base import exact_dot
+from flatlm.languages.pcfg.chart import _MAX_UP, _NEG, ChartBase, _add, _read, _sum_slices
 from flatlm.languages.pcfg.plan import Plan, Width
 
 
@@ -124,7 +125,7 @@ class SmallBlockChart(ChartBase):
             G_PN, p = self.consts["G"][w], 0
             for k in spec.blocks:
                 L, R, a, b = k.l1 - k.l0, k.r1 - k.r0, k.d0 - spec.d0, k.d1 - spec.d0 + 1
-                h_LRIB = _dot(G_PN[p: p + L * R, k.n0:k.n1], adj_NM[k.n0:k.n1]).reshape(L, R, I, B)  # its parents
+                h_LRIB = exact_dot(G_PN[p: p + L * R, k.n0:k.n1], adj_NM[k.n0:k.n1]).reshape(L, R, I, B)  # its parents
                 p += L * R
                 rk, lk = right[a:b, k.r0:k.r1], left[a:b, k.l0:k.l1]  # [D, R, I, B], [D, L, I, B]
                 # d z / d left [D, L, I, B] = sum_r h[l, r] rk[d, r], d z / d right [D, R, I, B] likewise over l

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flatlm.languages.pcfg.chart import Chart, _dot, has_wide_blocks
+from flatlm.languages.base import exact_dot
+from flatlm.languages.pcfg.chart import Chart, has_wide_blocks
 from flatlm.languages.pcfg.chart_small import SmallBlockChart
 from flatlm.languages.pcfg.plan import Plan
 
@@ -56,7 +57,7 @@ def _kernel_conditionals(plan: Plan, consts, tokens_BT, lengths_B, layout: str |
     # constant, the inverse of all the chart's scales), which the normalisation over w removes.
     g_TBN = chart.outside(sel_BT)
     T = tokens_BT.shape[1]
-    joint_BTV = _dot(jnp.swapaxes(g_TBN, 0, 1), consts["emit"])
+    joint_BTV = exact_dot(jnp.swapaxes(g_TBN, 0, 1), consts["emit"])
     total_BT = joint_BTV.sum(-1)
     valid_BT = (total_BT > 0) & (jnp.arange(T)[None, :] < lengths_B[:, None])
     q_BTV = joint_BTV / jnp.where(valid_BT, total_BT, 1)[..., None]
@@ -82,7 +83,7 @@ def _kernel_lengths(plan: Plan, consts, leaf_BTN, layout: str | None = None):
     """Scaled root value, its log scale and the leaf log scales [B, T] of every prefix of the given leaves."""
     chart = new_chart(plan, consts, jnp.swapaxes(leaf_BTN, 0, 1), layout)
     prefix_BTN, log_BT = chart.prefixes()
-    return _dot(prefix_BTN, consts["root"]), log_BT, chart.leaf_log_TB.T
+    return exact_dot(prefix_BTN, consts["root"]), log_BT, chart.leaf_log_TB.T
 
 
 KERNELS = {  # kind -> kernel(plan, consts, ...); bound to a plan and jitted by `flatlm.languages.pcfg.engine`
