@@ -14,11 +14,14 @@ in seconds of compile and get nothing back:
   PCFG, HMM, OPT, cpu PCFG and L6-H256 BERT configs; `tests/test_train.py` checks the tiny one).
 
 The train and evaluation steps keep XLA's defaults: they run thousands of times, and with the fusion emitters off
-the L4-H128 train step compiled slower (3.0 -> 4.5 s), not faster.
+the L4-H128 train step compiled slower (3.0 -> 4.5 s), not faster. `compile_ahead` compiles one in a thread while
+the caller does other work (the train loop: while the state initialises).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 
 import jax
@@ -71,3 +74,21 @@ def run_once(fn, *args, **jit_kwargs):
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
     options = ONE_SHOT if jax.default_backend() == "cpu" else {}
     return compile_lowered(lowered, options)(*args)
+
+
+def compile_ahead(jitted, *args, context=contextlib.nullcontext) -> concurrent.futures.Future:
+    """`jitted.lower(*args).compile()` in a thread of its own, inside `context()`: a Future of the program. JAX's jit
+    keeps what `lower().compile()` compiled in the cache its calls read, so `jitted(*args)` on arrays of the same
+    shapes and shardings then runs it without compiling again (tests/test_train.py counts one compile of the train
+    step). `args` may be `jax.ShapeDtypeStruct`s. Why: XLA compiles without Python's lock, so the train step
+    compiles while the state initialises and the first batch arrives; wait on the Future before the first call, or
+    the call compiles the program a second time."""
+    def lower_and_compile():
+        with context():
+            return jitted.lower(*args).compile()
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flatlm-compile")
+    try:
+        return pool.submit(lower_and_compile)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 
 import flax.linen as nn
 import jax
@@ -186,20 +187,28 @@ def test_the_train_step_out_of_device_memory_is_one_line_naming_the_fix(tmp_path
     from flatlm.errors import UserError
     from flatlm.train import loop
 
-    def failing(message):
-        def jit_train_step(*args, **kwargs):
-            def step(state, batch):
-                raise jax.errors.JaxRuntimeError(message)
-            return step
-        return jit_train_step
+    def failing(message, when="run"):
+        """A jitted step whose program raises the runtime's `message` when it runs, or when it compiles (the loop
+        compiles the first step ahead, in a thread: flatlm.compile_options.compile_ahead)."""
+        def raise_it(*args):
+            raise jax.errors.JaxRuntimeError(message)
 
-    monkeypatch.setattr(loop, "jit_train_step", failing(H100_OOM))
-    with pytest.raises(UserError) as info:
-        loop.train_and_evaluate(tiny_config, str(tmp_path / "a"), progress=False)
-    msg = str(info.value)
-    assert "\n" not in msg and "Out of memory while trying to allocate 51.75GiB on device 0" in msg, msg
-    assert "--config.train.microbatches=K with K > 1 dividing the 64 rows" in msg, msg  # CPU: no memory figures
-    assert "new --workdir" in msg and f"--config.data.data_dir={tmp_path / 'a' / 'data'}" in msg, msg
+        class Step:
+            def lower(self, *args):
+                return types.SimpleNamespace(compile=raise_it if when == "compile" else lambda: None)
+
+            def __call__(self, state, batch):
+                raise_it()
+        return lambda *args, **kwargs: Step()
+
+    for when in ("run", "compile"):
+        monkeypatch.setattr(loop, "jit_train_step", failing(H100_OOM, when))
+        with pytest.raises(UserError) as info:
+            loop.train_and_evaluate(tiny_config, str(tmp_path / when), progress=False)
+        msg = str(info.value)
+        assert "\n" not in msg and "Out of memory while trying to allocate 51.75GiB on device 0" in msg, msg
+        assert "--config.train.microbatches=K with K > 1 dividing the 64 rows" in msg, msg  # CPU: no memory figures
+        assert "new --workdir" in msg and f"--config.data.data_dir={tmp_path / when / 'data'}" in msg, msg
 
     class Device:
         def memory_stats(self):

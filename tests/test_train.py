@@ -78,6 +78,49 @@ def test_init_compiled_for_compile_time_draws_the_default_builds_bits(tmp_path, 
     assert compile_options._unknown == {"xla_no_such_option"}  # the known ones are still passed
 
 
+def test_compile_ahead_hands_its_program_to_the_first_call_and_raises_what_failed():
+    """flatlm.compile_options.compile_ahead: the program compiles in a thread of its own, inside the context given
+    there, and the jitted function's first call on arrays of those shapes runs it without compiling again (the train
+    loop's first step; test_tiny_config_exact_kl_falls counts one compile of the whole step). A failure to trace
+    or compile is the Future's exception."""
+    import contextlib
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    from flatlm.compile_options import compile_ahead
+
+    compiled, entered = [], []
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and kw.get("fun_name") == "jit(twice_sin)":
+            compiled.append(threading.current_thread().name)
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(threading.current_thread().name)
+        yield
+
+    @jax.jit
+    def twice_sin(x):
+        return 2 * jnp.sin(x)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ahead = compile_ahead(twice_sin, jax.ShapeDtypeStruct((5,), jnp.float32), context=context)
+        ahead.result()
+        y = twice_sin(jnp.arange(5.0))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiled) == 1 and compiled[0].startswith("flatlm-compile"), compiled
+    assert entered == compiled
+    np.testing.assert_allclose(np.asarray(y), 2 * np.sin(np.arange(5.0)), rtol=1e-6)
+    bad = compile_ahead(jax.jit(lambda x: x @ x), jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    with pytest.raises(TypeError, match="dot_general"):
+        bad.result()
+
+
 STEP_SCRIPT = r"""
 import json, re, sys
 import jax, numpy as np

@@ -1,6 +1,7 @@
 """`train_and_evaluate(config, workdir)`: the whole run, resumable, sharded over the config's mesh.
 
-The step is jitted once with explicit in/out shardings and a donated state. The loop dispatches step t
+The step is jitted once with explicit in/out shardings and a donated state; it compiles in a thread while the
+state initialises (`compile_options.compile_ahead`). The loop dispatches step t
 before pulling step t-1's metrics to the host, so logging never stalls the device. Every `eval_every`
 steps the exact pre-training loss (entropy + KL against the true conditionals) is measured on the
 validation split. Checkpoints (state + data iterator position) are written every `checkpoint.every`
@@ -32,7 +33,7 @@ from flatlm import config as config_lib
 from flatlm import locks, paths, sharding
 from flatlm import run as run_lib
 from flatlm import train as train_lib
-from flatlm.compile_options import run_once
+from flatlm.compile_options import compile_ahead, run_once
 from flatlm.data import pipeline
 from flatlm.errors import NonFiniteLoss, Preempted, UserError
 from flatlm.evaluate.runner import run_exact_loss
@@ -268,10 +269,6 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
     # damaged steps moved aside; each step restored at its own depth
     state, start = ckpt.restore_latest(mngr, lambda s: stages.at(s)[1].abstract_state(), it)
     run_s, setup = stages.at(start)  # the Run at the depth being trained (`run` itself without stacking)
-    if state is None:
-        state = init_state(run_s, setup)
-    else:
-        log.info("resumed from step %d", start)
     adv_objective, down_batches = adversarial_setup(run, start)
     flat_objective = flat_objectives.make_objective(flat_objectives.FlatConfig(**config.train.get("flat", {})))
     step_objective = objective or adv_objective or flat_objective or mlm_objective
@@ -296,6 +293,24 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                                        "targets": np.asarray(local["targets"]).tolist()}) + "\n")
             data_log.flush()
         return local
+
+    def batch_at(step):  # the global batch of `step`, with its D1/D2 batch after the warm start
+        local = log_batch(step, next(it))
+        if down_batches is not None and step > warm_until:
+            local = {**local, **next(down_batches)}
+        return sharding.global_batch(local, run.mesh)
+
+    # The first step compiles while the state initialises (compile_ahead), on the first batch, drawn here.
+    first = batch_at(start + 1) if start < c.train.steps and not stages.grows_before(start + 1) else None
+    ahead = None if first is None else compile_ahead(
+        plain_step_fn if start + 1 <= warm_until else step_fn, setup.abstract_state(), first,
+        context=functools.partial(sharding.activated, run.mesh, run.rules))
+    if state is None:
+        state = init_state(run_s, setup)
+    else:
+        log.info("resumed from step %d", start)
+    if ahead is not None:
+        ahead.result()
     last_eval: dict = {}
     pending = None  # (step, device metrics) of the previous step, pulled after the next dispatch
     last_saved = start
@@ -333,12 +348,9 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if stages.grows_before(step):  # train.stacking: the next stage's depth
                 state, (run_s, setup) = stages.grow(state, step), stages.at(step)
                 step_fn = jit_train_step(run_s, setup, step_objective)
-            if step <= warm_until:  # warm start: plain MLM before the adversarial objective
-                state, metrics = plain_step_fn(state, sharding.global_batch(log_batch(step, next(it)), run.mesh))
-            else:
-                local = log_batch(step, next(it))
-                local = local if down_batches is None else {**local, **next(down_batches)}
-                state, metrics = step_fn(state, sharding.global_batch(local, run.mesh))
+            batch, first = first if first is not None else batch_at(step), None
+            # warm start: plain MLM before the adversarial objective
+            state, metrics = (plain_step_fn if step <= warm_until else step_fn)(state, batch)
             if pending is not None:
                 flush(pending)
             pending = (step, metrics)
