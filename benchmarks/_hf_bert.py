@@ -1,5 +1,6 @@
 """The Hugging Face peer of `train_step.py`: BertForMaskedLM + torch.optim.AdamW at a library shape, at its best
-(fused tanh GELU, the fastest of eager / torch.compile and of the gradient-accumulation slices). Needs the `bench`
+(fused tanh GELU, the fastest of eager / torch.compile and of the gradient-accumulation slices, timed in the
+caller's rounds). Needs the `bench`
 extra (torch, transformers); `hf_available` says why not when they are missing."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from _util import optional_modules, time_once
+from _util import optional_modules
 
 
 def hf_available() -> str | None:
@@ -32,19 +33,21 @@ def _hf_model(cfg, dropout: bool, seq_len: int):
 
 
 def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[int]) -> tuple[dict, dict]:
-    """({"hf": call, "hf_nodrop": call}, info): one BertForMaskedLM (post-LN) + torch.optim.AdamW step at the
-    same shape, with dropout as the JAX step and without, each in the fastest of `modes` (eager, compile:
-    torch.compile of the model) x `ks` (gradient accumulation over k slices of the batch, each loss weighted by
-    its share of the labelled tokens: the same update), chosen by the median of 3 calls after warm-up; info has
-    every variant's time."""
+    """({"hf:MODE k=K": call, "hf_nodrop:MODE k=K": call, ...}, info): one BertForMaskedLM (post-LN) +
+    torch.optim.AdamW step at the same shape, with dropout as the JAX step ("hf") and without ("hf_nodrop"), in
+    every one of `modes` (eager, compile: torch.compile of the model) x `ks` (gradient accumulation over k slices
+    of the batch, each loss weighted by its share of the labelled tokens: the same update) that runs; each called
+    once (warm-up, compile). The caller times them all in its rounds and takes each side's fastest (`best_of`).
+    info: each variant's first call in s, or why it failed."""
     import torch  # reason: optional peer
 
     torch.set_num_threads(threads)
+    torch._dynamo.reset()  # a fresh compile cache per shape: the earlier shapes' graphs would count against its
+    # recompile limit (8 per function), past which torch.compile silently runs the model eagerly
     ids = torch.from_numpy(np.array(batch["tokens"], np.int64))
     labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
     calls, info = {}, {}
     for name, dropout in (("hf", True), ("hf_nodrop", False)):
-        best = None
         for mode, k in [(m, k) for m in modes for k in ks]:
             model = _hf_model(cfg, dropout, ids.shape[1])
             opt = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.b1, train.b2), eps=train.eps,
@@ -63,16 +66,21 @@ def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[i
             try:
                 t0 = time.perf_counter()
                 call()
-                first = time.perf_counter() - t0
+                info[f"{name}_{mode}_k{k}_first_s"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for torch.compile: keep the other mode
                 info[f"{name}_{mode}_k{k}"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
                 continue
-            sec = float(np.median([time_once(call)[0] for _ in range(3)]))
-            info[f"{name}_{mode}_k{k}_ms"], info[f"{name}_{mode}_k{k}_first_s"] = sec * 1e3, first
-            if best is None or sec < best[0]:
-                best = (sec, f"{mode} k={k}", call)
-        if best is None:
+            calls[f"{name}:{mode} k={k}"] = call
+        if not any(n.startswith(f"{name}:") for n in calls):
             raise RuntimeError(f"no HF mode ran: {info}")
-        calls[name], info[f"{name}_mode"] = best[2], best[1]
     info["hf_params"] = sum(p.numel() for p in model.parameters())
     return calls, info
+
+
+def best_of(samples: dict, side: str) -> tuple[str, dict]:
+    """(variant, {variant: median wall ms}) of the cases named "`side`:VARIANT" in `samples` (interleave's
+    {name: float[rounds, 2]}): the one with the lowest median wall time is the side at its best. Chosen from the
+    same rounds as the ratio that uses it, for both sides alike (a 3-call pre-timing had picked a JAX variant that
+    then ran 20 % slower than the other in the rounds: benchmarks/RESULTS.md, 2026-11-30)."""
+    ms = {n.split(":", 1)[1]: float(np.median(v[:, 0])) * 1e3 for n, v in samples.items() if n.startswith(side + ":")}
+    return min(ms, key=ms.get), ms
