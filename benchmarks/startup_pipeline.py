@@ -7,7 +7,8 @@ already built (`data.data_dir` shared with a first, untimed run): seconds from l
 step's metrics row (the row's wall-clock `time`), and to the command's exit; median of `--runs`; with JAX's
 persistent compilation cache off (cold) and filled by the first run (warm: the CLI's default, `run.
 enable_compilation_cache`). Also the import
-of the CLI and the train verb alone. Goal: first step < 5 s on a quiet machine.
+of the CLI and the train verb alone, and the train step's XLA compile (from `JAX_LOG_COMPILES`): their sum is a
+floor no overlap of the other start-up work goes below. Goal: first step < 5 s on a quiet machine.
 
 Pipeline: the grain iterator `flatlm.data.pipeline.train_iterator` alone (shuffle, mask, batch; no model) at the
 paper's batch of 4096 on the PCFG corpus of the tiny preset, and the stream source (sentences sampled and masked
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,17 +37,22 @@ FLATLM = [sys.executable, "-m", "flatlm.cli"]
 STEP_TOKENS_PER_S = 595_000  # H100, L12-H768 bf16, batch 4096 (benchmarks/RESULTS.md, 2026-11-23)
 
 
-def first_step_s(workdir: str, data_dir: str, cache: str) -> tuple[float, float]:
-    """(launch -> first metrics row, launch -> exit) seconds of one `flatlm train` tiny, one step, with the
-    compilation cache folder `cache` ("off": none)."""
+STEP_COMPILE = re.compile(r"Finished XLA compilation of jit\(train_step\) in ([0-9.]+) sec")
+
+
+def first_step_s(workdir: str, data_dir: str, cache: str) -> tuple[float, float, float]:
+    """(launch -> first metrics row, launch -> exit, the train step's XLA compile) seconds of one `flatlm train`
+    tiny, one step, with the compilation cache folder `cache` ("off": none); with the program in the cache, the
+    "compile" JAX logs is the cache read."""
     cmd = FLATLM + ["train", "--config", "configs/pcfg_mlm.py:tiny", "--workdir", workdir, "--quiet",
                     "--config.train.steps=1", f"--config.data.data_dir={data_dir}"]
     t0 = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "FLATLM_COMPILATION_CACHE": cache})
+    proc = subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "FLATLM_COMPILATION_CACHE": cache, "JAX_LOG_COMPILES": "1"})
     end = time.time()
     rows = [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines()]
-    return min(r["time"] for r in rows if r["step"] == 1) - t0, end - t0
+    compile_s = sum(float(x) for x in STEP_COMPILE.findall(proc.stderr))
+    return min(r["time"] for r in rows if r["step"] == 1) - t0, end - t0, compile_s
 
 
 def import_s() -> float:
@@ -67,7 +74,7 @@ def startup(runs: int) -> dict:
         for name, c in (("cold", "off"), ("warm", cache)):
             t = np.array([first_step_s(os.path.join(tmp, f"{name}{i}"), data_dir, c) for i in range(runs)])
             out[name] = dict(first_step_s=float(np.median(t[:, 0])), exit_s=float(np.median(t[:, 1])),
-                             first_step_all=t[:, 0].tolist())
+                             first_step_all=t[:, 0].tolist(), step_compile_s=float(np.median(t[:, 2])))
     out["import_s"] = float(np.median([import_s() for _ in range(runs)]))
     return out
 
@@ -111,9 +118,14 @@ def main(argv=None) -> int:
     for name in ("cold", "warm"):
         r = s[name]
         each = ", ".join(f"{x:.1f}" for x in r["first_step_all"])
+        # imports, then the step's XLA compile, one after the other whatever else overlaps them (the step needs
+        # jax, flax and the model): where their sum passes the goal, no other start-up work can meet it here
+        floor = s["import_s"] + r["step_compile_s"]
         print(f"flatlm train tiny, 1 step, corpus built, compilation cache {name}: first step "
               f"{r['first_step_s']:.1f} s after launch (median of {args.runs}: {each}), exit {r['exit_s']:.1f} s; "
-              f"goal first step < 5 s: {'met' if r['first_step_s'] < 5 else 'MISSED'}")
+              f"goal first step < 5 s: {'met' if r['first_step_s'] < 5 else 'MISSED'} (imports "
+              f"{s['import_s']:.1f} s + the train step's XLA compile {r['step_compile_s']:.1f} s = {floor:.1f} s "
+              f"{'>=' if floor >= 5 else '<'} 5 s)")
     print(f"imports of the CLI and the train verb: {s['import_s']:.1f} s", flush=True)
     p = pipeline_rate(args.batch, args.batches)
     for source, r in p.items():
