@@ -43,7 +43,7 @@ def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[i
 
     torch.set_num_threads(threads)
     torch._dynamo.reset()  # a fresh compile cache per shape: the earlier shapes' graphs would count against its
-    # recompile limit (8 per function), past which torch.compile silently runs the model eagerly
+    # recompile limit (8 per function), past which torch.compile runs the model eagerly (one warning in the log)
     ids = torch.from_numpy(np.array(batch["tokens"], np.int64))
     labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
     calls, info = {}, {}

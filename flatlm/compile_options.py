@@ -81,8 +81,8 @@ def compile_ahead(jitted, *args, context=contextlib.nullcontext) -> concurrent.f
     keeps what `lower().compile()` compiled in the cache its calls read, so `jitted(*args)` on arrays of the same
     shapes and shardings then runs it without compiling again (tests/test_train.py counts one compile of the train
     step). `args` may be `jax.ShapeDtypeStruct`s. Why: XLA compiles without Python's lock, so the train step
-    compiles while the state initialises and the first batch arrives; wait on the Future before the first call, or
-    the call compiles the program a second time."""
+    compiles while the state initialises; wait on the Future before the first call, or the call compiles the
+    program a second time."""
     def lower_and_compile():
         with context():
             return jitted.lower(*args).compile()

@@ -348,7 +348,8 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             if stages.grows_before(step):  # train.stacking: the next stage's depth
                 state, (run_s, setup) = stages.grow(state, step), stages.at(step)
                 step_fn = jit_train_step(run_s, setup, step_objective)
-            batch, first = first if first is not None else batch_at(step), None
+            batch = first if first is not None else batch_at(step)
+            first = None  # drawn before the loop for step start + 1 only
             # warm start: plain MLM before the adversarial objective
             state, metrics = (plain_step_fn if step <= warm_until else step_fn)(state, batch)
             if pending is not None:
