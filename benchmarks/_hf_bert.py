@@ -37,7 +37,7 @@ def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[i
     torch.optim.AdamW step at the same shape, with dropout as the JAX step ("hf") and without ("hf_nodrop"), in
     every one of `modes` (eager, compile: torch.compile of the model) x `ks` (gradient accumulation over k slices
     of the batch, each loss weighted by its share of the labelled tokens: the same update) that runs; each called
-    once (warm-up, compile). The caller times them all in its rounds and takes each side's fastest (`best_of`).
+    once (warm-up, compile). The caller times them all in its rounds and takes each side's fastest (`_util.best_of`).
     info: each variant's first call in s, or why it failed."""
     import torch  # reason: optional peer
 
@@ -76,11 +76,3 @@ def hf_cases(cfg, train, batch: dict, threads: int, modes: list[str], ks: list[i
     info["hf_params"] = sum(p.numel() for p in model.parameters())
     return calls, info
 
-
-def best_of(samples: dict, side: str) -> tuple[str, dict]:
-    """(variant, {variant: median wall ms}) of the cases named "`side`:VARIANT" in `samples` (interleave's
-    {name: float[rounds, 2]}): the one with the lowest median wall time is the side at its best. Chosen from the
-    same rounds as the ratio that uses it, for both sides alike (a 3-call pre-timing had picked a JAX variant that
-    then ran 20 % slower than the other in the rounds: benchmarks/RESULTS.md, 2026-11-30)."""
-    ms = {n.split(":", 1)[1]: float(np.median(v[:, 0])) * 1e3 for n, v in samples.items() if n.startswith(side + ":")}
-    return min(ms, key=ms.get), ms

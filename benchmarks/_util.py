@@ -111,6 +111,15 @@ def paired_ratio(num: np.ndarray, den: np.ndarray, col: int) -> tuple[float, flo
     return float(np.median(r)), float(r.min()), float(r.max())
 
 
+def best_of(samples: dict, side: str) -> tuple[str, dict]:
+    """(variant, {variant: median wall ms}) of the cases named "`side`:VARIANT" in `samples` (interleave's
+    {name: float[rounds, 2]}): the one with the lowest median wall time is the side at its best. Chosen from the
+    same rounds as the ratio that uses it, for both sides alike (a 3-call pre-timing had picked a JAX variant that
+    then ran 20 % slower than the other in the rounds: benchmarks/RESULTS.md, 2026-11-30)."""
+    ms = {n.split(":", 1)[1]: float(np.median(v[:, 0])) * 1e3 for n, v in samples.items() if n.startswith(side + ":")}
+    return min(ms, key=ms.get), ms
+
+
 def optional_modules(*names: str) -> tuple[list | None, str | None]:
     """(the modules, None), or (None, why not) when one does not import (the peers are an optional extra)."""
     try:

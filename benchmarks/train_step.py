@@ -28,7 +28,7 @@ CPU-s at L6-H256) are printed as met or missed. Without torch + transformers the
 Each side may also split the batch into microbatches (`--microbatches`, default 1 and 4: gradient accumulation,
 the same batch and update computed in k slices; `train.microbatches` in flatlm, k backward passes before one
 optimizer step in HF) and takes its fastest. Every variant of both sides is timed in the same rounds and each
-side's best is its lowest median there (`_hf_bert.best_of`); the selection favours the side with more variants
+side's best is its lowest median there (`_util.best_of`); the selection favours the side with more variants
 (HF: modes x counts), if either. On the 2-core AMD machine the library's
 L6-H256 step ran ~5-8 % faster in 4 slices (gained between ops: benchmarks/RESULTS.md), HF's slower
 (benchmarks/microbatches.py). The goals compare each side at its best.
@@ -49,9 +49,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _hf_bert import best_of, hf_available, hf_cases
+from _hf_bert import hf_available, hf_cases
 from _step_replays import dot_replay, optimizer_replay
 from _util import (
+    best_of,
     cpu_count,
     interleave,
     load_line,
