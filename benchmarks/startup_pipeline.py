@@ -51,7 +51,8 @@ def first_step_s(workdir: str, data_dir: str, cache: str) -> tuple[float, float,
                           env={**os.environ, "FLATLM_COMPILATION_CACHE": cache, "JAX_LOG_COMPILES": "1"})
     end = time.time()
     rows = [json.loads(line) for line in Path(workdir, "metrics.jsonl").read_text().splitlines()]
-    compile_s = sum(float(x) for x in STEP_COMPILE.findall(proc.stderr))
+    found = STEP_COMPILE.findall(proc.stderr)  # none: a JAX that logs otherwise; the floor is then not measured
+    compile_s = sum(float(x) for x in found) if found else float("nan")
     return min(r["time"] for r in rows if r["step"] == 1) - t0, end - t0, compile_s
 
 
@@ -121,11 +122,12 @@ def main(argv=None) -> int:
         # imports, then the step's XLA compile, one after the other whatever else overlaps them (the step needs
         # jax, flax and the model): where their sum passes the goal, no other start-up work can meet it here
         floor = s["import_s"] + r["step_compile_s"]
+        floor_text = ("the train step's XLA compile: not measured (no compile line in JAX's log)" if np.isnan(floor)
+                      else f"imports {s['import_s']:.1f} s + the train step's XLA compile {r['step_compile_s']:.1f} s"
+                      f" = {floor:.1f} s {'>=' if floor >= 5 else '<'} 5 s")
         print(f"flatlm train tiny, 1 step, corpus built, compilation cache {name}: first step "
               f"{r['first_step_s']:.1f} s after launch (median of {args.runs}: {each}), exit {r['exit_s']:.1f} s; "
-              f"goal first step < 5 s: {'met' if r['first_step_s'] < 5 else 'MISSED'} (imports "
-              f"{s['import_s']:.1f} s + the train step's XLA compile {r['step_compile_s']:.1f} s = {floor:.1f} s "
-              f"{'>=' if floor >= 5 else '<'} 5 s)")
+              f"goal first step < 5 s: {'met' if r['first_step_s'] < 5 else 'MISSED'} ({floor_text})")
     print(f"imports of the CLI and the train verb: {s['import_s']:.1f} s", flush=True)
     p = pipeline_rate(args.batch, args.batches)
     for source, r in p.items():
