@@ -300,10 +300,13 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
             local = {**local, **next(down_batches)}
         return sharding.global_batch(local, run.mesh)
 
+    def step_fn_at(step):  # warm start: plain MLM before the adversarial objective
+        return plain_step_fn if step <= warm_until else step_fn
+
     # The first step compiles while the state initialises (compile_ahead), on the first batch, drawn here.
     first = batch_at(start + 1) if start < c.train.steps and not stages.grows_before(start + 1) else None
     ahead = None if first is None else compile_ahead(
-        plain_step_fn if start + 1 <= warm_until else step_fn, setup.abstract_state(), first,
+        step_fn_at(start + 1), setup.abstract_state(), first,
         context=functools.partial(sharding.activated, run.mesh, run.rules))
     if state is None:
         state = init_state(run_s, setup)
@@ -350,8 +353,7 @@ def _train(config, workdir: str, progress: bool, objective) -> dict:
                 step_fn = jit_train_step(run_s, setup, step_objective)
             batch = first if first is not None else batch_at(step)
             first = None  # drawn before the loop for step start + 1 only
-            # warm start: plain MLM before the adversarial objective
-            state, metrics = (plain_step_fn if step <= warm_until else step_fn)(state, batch)
+            state, metrics = step_fn_at(step)(state, batch)
             if pending is not None:
                 flush(pending)
             pending = (step, metrics)
